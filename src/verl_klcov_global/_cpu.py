@@ -1,0 +1,529 @@
+"""Run verl's real FSDP engine on a CPU-only machine.
+
+verl 0.9.1 has no CPU platform: without a GPU it falls back to "nvidia" and
+calls ``torch.cuda``. This module supplies the missing pieces so that the
+unmodified ``FSDPEngineWithLMHead`` (FSDP1 and FSDP2) trains on CPU with
+``gloo``:
+
+* :func:`install_cpu_platform` -- a ``PlatformBase`` subclass for CPU,
+  installed with ``set_platform``, a "cpu" entry in ``EngineRegistry`` and the
+  documented patches listed there (each one fails loudly when its target is
+  missing, i.e. when verl or torch changed under it).
+* :func:`init_process_group_cpu` -- plain ``gloo`` process group plus the env
+  vars verl reads (verl's own init asks for ``"cpu:gloo,cpu:gloo"``, which
+  torch rejects).
+* :func:`build_fsdp_engine` -- an initialised engine with SGD, constant LR,
+  sdpa attention and fp32 (or bf16-autocast) compute.
+* :func:`engine_params_flat` -- the full parameter vector, same ordering for
+  every strategy and world size.
+* :func:`spawn` -- run a module-level function on ``world_size`` gloo ranks.
+
+Targets: verl 0.9.1, torch 2.13 (CPU build), transformers 5.x.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import socket
+import tempfile
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CPUPlatform",
+    "install_cpu_platform",
+    "init_process_group_cpu",
+    "find_free_port",
+    "build_fsdp_engine",
+    "engine_params_flat",
+    "spawn",
+]
+
+_INSTALLED = False
+
+
+# ---------------------------------------------------------------------------
+# Platform
+# ---------------------------------------------------------------------------
+
+
+class _CPUDeviceModule:
+    """Stand-in for ``torch.cuda`` as returned by ``get_torch_device()``.
+
+    Memory queries report 0, cache/allocator calls are no-ops, RNG calls use
+    torch's CPU generator; anything else (``synchronize``, ``current_stream``,
+    ``Stream``, ``Event``, ``device_count``, ...) is looked up on ``torch.cpu``.
+    """
+
+    __name__ = "verl_klcov_global._cpu.device_module"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        return None
+
+    @staticmethod
+    def get_device_name(device: Any = None) -> str:
+        return "CPU"
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+    @staticmethod
+    def ipc_collect() -> None:
+        return None
+
+    @staticmethod
+    def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def memory_allocated(device: Any = None) -> int:
+        return 0
+
+    @staticmethod
+    def memory_reserved(device: Any = None) -> int:
+        return 0
+
+    @staticmethod
+    def max_memory_allocated(device: Any = None) -> int:
+        return 0
+
+    @staticmethod
+    def max_memory_reserved(device: Any = None) -> int:
+        return 0
+
+    @staticmethod
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        """(free, total) bytes; 0/0 keeps verl's memory logging harmless."""
+        return 0, 0
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+        torch.set_rng_state(state)
+
+
+def _platform_base() -> type:
+    from verl.plugin.platform import PlatformBase
+
+    return PlatformBase
+
+
+def _make_platform_class() -> type:
+    """Build the ``PlatformBase`` subclass lazily (verl imported on demand)."""
+    base = _platform_base()
+
+    class CPUPlatform(base):  # type: ignore[misc, valid-type]
+        """verl platform for CPU-only hosts: device "cpu", backend "gloo"."""
+
+        _device_module = _CPUDeviceModule()
+
+        @property
+        def device_name(self) -> str:
+            return "cpu"
+
+        @property
+        def vendor_name(self) -> str:
+            return "cpu"
+
+        @property
+        def device_module(self) -> ModuleType:
+            return self._device_module  # type: ignore[return-value]
+
+        def is_available(self) -> bool:
+            return True
+
+        def is_platform_available(self, use_smi_check: bool = False) -> bool:
+            return True
+
+        def current_device(self) -> str:  # type: ignore[override]
+            # A string: verl passes this to ``.to()``/FSDP ``device_id``; an int
+            # would be read as ``cuda:N``.
+            return "cpu"
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index: int) -> None:
+            return None
+
+        def synchronize(self, device_index: Optional[int] = None) -> None:
+            return None
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            return None
+
+        def empty_cache(self) -> None:
+            return None
+
+        def get_device_capability(self, device_index: int = 0) -> tuple[None, None]:
+            return None, None
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "CUDA_VISIBLE_DEVICES"
+
+        @contextlib.contextmanager
+        def nvtx_range(self, msg: str):
+            yield
+
+        def profiler_start(self) -> None:
+            return None
+
+        def profiler_stop(self) -> None:
+            return None
+
+        def ray_resource_name(self) -> str:
+            # "GPU" so a full Ray trainer can run with fake GPUs
+            # (``ray_kwargs.ray_init.num_gpus=N``); unused by the engine.
+            return "GPU"
+
+        def ray_noset_envvars(self) -> list[str]:
+            return []
+
+        def is_ipc_supported(self) -> bool:
+            return False
+
+        def cudart(self) -> None:
+            return None
+
+    return CPUPlatform
+
+
+CPUPlatform: Optional[type] = None  # set by install_cpu_platform()
+
+
+# ---------------------------------------------------------------------------
+# Patches (each named, version-tagged, loud on a missing target)
+# ---------------------------------------------------------------------------
+
+
+def _require(obj: Any, attr: str, what: str) -> Any:
+    """Return ``getattr(obj, attr)`` or raise: the patch target is gone."""
+    if not hasattr(obj, attr):
+        raise RuntimeError(
+            f"verl_klcov_global CPU support: cannot find {what} ({getattr(obj, '__name__', obj)}.{attr}); "
+            "the installed verl/torch differs from the version this patch targets."
+        )
+    return getattr(obj, attr)
+
+
+def _patch_fsdp1_sync_module_states_cpu() -> None:
+    """PATCH fsdp1-sync-module-states-cpu (torch 2.13, used by verl 0.9.1 FSDP1).
+
+    verl builds FSDP1 with ``sync_module_states=True`` (rank 0 holds the
+    loaded weights, other ranks meta tensors materialised by ``init_fn``).
+    torch's ``_check_module_states_for_sync_module_states`` refuses CPU
+    parameters before the broadcast, although the broadcast itself works
+    over gloo. The check is replaced by a no-op; the broadcast
+    (``_sync_params_and_buffers``) is untouched. FSDP2 needs nothing.
+    """
+    from torch.distributed.fsdp import _init_utils
+
+    name = "_check_module_states_for_sync_module_states"
+    original = _require(_init_utils, name, "FSDP1 sync_module_states CPU check")
+    if getattr(original, "_verl_klcov_cpu_patch", False):
+        return
+    caller = _require(_init_utils, "_sync_module_params_and_buffers", "FSDP1 module-state broadcast")
+    if name not in inspect.getsource(caller):
+        raise RuntimeError(
+            f"verl_klcov_global CPU support: torch's _sync_module_params_and_buffers no longer calls {name}; "
+            "re-check the FSDP1 CPU patch for this torch version."
+        )
+
+    def _allow_cpu_module_states(module_states: list[torch.Tensor]) -> None:
+        return None
+
+    _allow_cpu_module_states._verl_klcov_cpu_patch = True  # type: ignore[attr-defined]
+    _allow_cpu_module_states._original = original  # type: ignore[attr-defined]
+    setattr(_init_utils, name, _allow_cpu_module_states)
+
+
+def _patch_transformer_impl_device_name() -> None:
+    """PATCH fsdp-engine-device-name (verl 0.9.1).
+
+    ``verl/workers/engine/fsdp/transformer_impl.py`` caches
+    ``device_name = get_device_name()`` at import time. If that module was
+    imported before the CPU platform was installed it holds "cuda"; reset it.
+    """
+    from verl.workers.engine.fsdp import transformer_impl
+
+    _require(transformer_impl, "device_name", "module-level device_name of the FSDP engine")
+    transformer_impl.device_name = "cpu"
+
+
+def _register_cpu_engines() -> None:
+    """PATCH engine-registry-cpu (verl 0.9.1): register ``FSDPEngineWithLMHead``
+    for device "cpu", backends fsdp/fsdp2 (verl registers only cuda/npu)."""
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp import transformer_impl
+
+    engine_cls = _require(transformer_impl, "FSDPEngineWithLMHead", "FSDP LM engine class")
+    engines = _require(EngineRegistry, "_engines", "EngineRegistry table")
+    backends = engines.get("language_model", {})
+    missing = [b for b in ("fsdp", "fsdp2") if "cpu" not in backends.get(b, {})]
+    if missing:
+        EngineRegistry.register(model_type="language_model", backend=missing, device="cpu")(engine_cls)
+
+
+def install_cpu_platform() -> None:
+    """Install the CPU platform, CPU engine registration and patches (idempotent).
+
+    Call before building any engine. Safe to call many times and in every
+    spawned process.
+    """
+    global _INSTALLED, CPUPlatform
+    if _INSTALLED:
+        return
+    from verl.plugin.platform import PlatformRegistry, platform_manager, set_platform
+
+    if CPUPlatform is None:
+        CPUPlatform = _make_platform_class()
+    if PlatformRegistry.get("cpu") is None:
+        PlatformRegistry.register(platform="cpu")(CPUPlatform)
+    current = _require(platform_manager, "_current_platform", "verl platform singleton")
+    if not isinstance(current, CPUPlatform):
+        set_platform(CPUPlatform())
+    _patch_transformer_impl_device_name()
+    _register_cpu_engines()
+    _patch_fsdp1_sync_module_states_cpu()
+    _INSTALLED = True
+
+
+# ---------------------------------------------------------------------------
+# Process group
+# ---------------------------------------------------------------------------
+
+
+def find_free_port() -> int:
+    """Return a TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_process_group_cpu(rank: int = 0, world_size: int = 1, port: Optional[int] = None) -> None:
+    """Initialise torch.distributed with plain "gloo" on 127.0.0.1.
+
+    Sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT. No-op when already initialised with the same world size;
+    raises when initialised with another one.
+    """
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise RuntimeError(
+                f"torch.distributed already initialised with world_size={dist.get_world_size()}, "
+                f"asked for {world_size}"
+            )
+        return
+    if port is None:
+        port = find_free_port()
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    dist.init_process_group(backend="gloo", rank=rank, world_size=world_size, init_method="env://")
+
+
+# ---------------------------------------------------------------------------
+# Engine
+# ---------------------------------------------------------------------------
+
+_DTYPES = {
+    "fp32": {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+    "bf16": {"param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+}
+
+
+def build_fsdp_engine(
+    model_path: str,
+    *,
+    strategy: str = "fsdp",
+    dtype: str = "fp32",
+    lr: float = 0.02,
+    clip_grad: float = 0.05,
+    weight_decay: float = 0.0,
+    use_remove_padding: bool = False,
+    use_dynamic_bsz: bool = False,
+    micro_batch_size_per_gpu: Optional[int] = 8,
+    max_token_len_per_gpu: Optional[int] = 2048,
+    infer_micro_batch_size_per_gpu: Optional[int] = 16,
+    infer_max_token_len_per_gpu: Optional[int] = 4096,
+    gradient_checkpointing: bool = False,
+    seed: int = 0,
+):
+    """Build and ``initialize()`` verl's ``FSDPEngineWithLMHead`` on CPU.
+
+    Args:
+        model_path: local HF model dir (e.g. from ``_tiny.build_tiny_model``);
+            weights are loaded from it, so they are identical on every call.
+        strategy: "fsdp" (FSDP1) or "fsdp2".
+        dtype: "fp32" (no autocast) or "bf16" (FSDP param_dtype bf16,
+            reduce/buffer fp32; verl sets ``_autocast_dtype=bf16`` and runs the
+            forward under ``torch.autocast("cpu", bf16)``). Master weights fp32.
+        lr, clip_grad, weight_decay: plain ``torch.optim.SGD``, constant LR,
+            no warmup; weight decay 0 so parameters move only by gradients.
+        use_remove_padding: engine-level flag (verl's monkey patch); the
+            per-batch ``use_remove_padding`` key should agree with it.
+        use_dynamic_bsz, micro_batch_size_per_gpu, max_token_len_per_gpu,
+        infer_*: stored in the engine config (what ``TrainingWorker`` would
+            inject); the batch's own non-tensor keys take precedence.
+        seed: ``FSDPEngineConfig.seed``; also seeds torch's CPU RNG.
+
+    Initialises a world-size-1 gloo group when none exists.
+    """
+    install_cpu_platform()
+    init_process_group_cpu()
+    if strategy not in ("fsdp", "fsdp2"):
+        raise ValueError(f"strategy must be 'fsdp' or 'fsdp2', got {strategy!r}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine.base import EngineRegistry
+
+    torch.manual_seed(seed)
+    model_config = HFModelConfig(
+        path=model_path,
+        override_config={"attn_implementation": "sdpa"},
+        use_remove_padding=use_remove_padding,
+        enable_gradient_checkpointing=gradient_checkpointing,
+    )
+    model_config.model_type = "language_model"
+    engine_config = FSDPEngineConfig(
+        strategy=strategy,
+        model_dtype="fp32",
+        mixed_precision=dict(_DTYPES[dtype]),
+        use_dynamic_bsz=use_dynamic_bsz,
+        micro_batch_size_per_gpu=micro_batch_size_per_gpu,
+        max_token_len_per_gpu=max_token_len_per_gpu,
+        infer_micro_batch_size_per_gpu=infer_micro_batch_size_per_gpu,
+        infer_max_token_len_per_gpu=infer_max_token_len_per_gpu,
+        use_remove_padding=use_remove_padding,
+        use_torch_compile=False,
+        seed=seed,
+    )
+    optimizer_config = FSDPOptimizerConfig(
+        optimizer="SGD",
+        optimizer_impl="torch.optim",
+        lr=lr,
+        clip_grad=clip_grad,
+        weight_decay=weight_decay,
+        lr_scheduler_type="constant",
+        lr_warmup_steps=0,
+        lr_warmup_steps_ratio=0.0,
+    )
+    engine = EngineRegistry.new(
+        model_type="language_model",
+        backend=strategy,
+        model_config=model_config,
+        engine_config=engine_config,
+        optimizer_config=optimizer_config,
+        checkpoint_config=CheckpointConfig(),
+    )
+    engine.initialize()
+    return engine
+
+
+def engine_params_flat(engine) -> torch.Tensor:
+    """Full (unsharded) model state as a float64 1-D tensor of length P.
+
+    Gathers the full state dict on every rank (a collective: call it on all
+    ranks) with ``torch.distributed.checkpoint.state_dict.get_model_state_dict``,
+    which handles FSDP1 and FSDP2 and returns plain HF key names; the values
+    are concatenated in sorted-key order, so the layout is identical for every
+    strategy and world size. For Qwen2 the state dict holds parameters only
+    (``rotary_emb.inv_freq`` is a non-persistent buffer).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    return torch.cat([_full(state[k]).detach().reshape(-1).to(torch.float64) for k in sorted(state)])
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """Materialise a DTensor (FSDP2) or return a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+# ---------------------------------------------------------------------------
+# Multi-process helper
+# ---------------------------------------------------------------------------
+
+
+def _spawn_entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    """Child-process body of :func:`spawn`: one CPU thread share, run, save."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    result = fn(rank, world_size, port, *args)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` processes.
+
+    ``fn`` must be importable (module level) and should call
+    ``init_process_group_cpu(rank, world_size, port)``. A fresh free port is
+    picked per call. An exception in any rank is raised here
+    (``torch.multiprocessing.ProcessRaisedException``). Returns the list of
+    per-rank return values (passed back with ``torch.save``/``torch.load``).
+    """
+    import torch.multiprocessing as mp
+
+    port = find_free_port()
+    with tempfile.TemporaryDirectory(prefix="verl_klcov_spawn_") as out_dir:
+        mp.spawn(_spawn_entry, args=(fn, world_size, port, out_dir, args), nprocs=world_size, join=True)
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -1,0 +1,279 @@
+"""The only module that touches verl internals: the per-optimizer-step prepass hook.
+
+Target: verl 0.9.1. Every patch is listed here, named, and checked by
+``tests/test_hook_patches.py`` so that an upstream change fails loudly.
+
+PATCH ``train_batch_prepass``: wraps ``verl.workers.engine.base.BaseEngine.train_batch``
+(verl 0.9.1 ``workers/engine/base.py`` ~113; signature ``(self, data, loss_function)``;
+one call per optimizer step, made by ``TrainingWorker.train_batch`` for every
+minibatch and PPO epoch). Every engine inherits it. When the loss function's
+actor config selects ``kl_cov_global`` the wrapper, before verl's own step:
+
+1. runs a no-grad forward of the whole minibatch that computes only log-probs
+   (:func:`compute_prepass_log_probs`), RNG states restored afterwards;
+2. selects tokens over the minibatch and the data-parallel group
+   (:func:`verl_klcov_global.selection.select_kl_cov_tokens`);
+3. stores the mask as the per-token field ``kl_cov_global_mask`` of the
+   minibatch, in the layout of ``response_mask`` (nested or padded), so verl's
+   micro-batch splitting (static or dynamic, which reorders samples) carries
+   each slice to its micro-batch;
+4. calls verl's ``train_batch`` with the loss function wrapped so that each
+   micro-batch's loss call runs inside ``provide_kl_cov_mask(<its slice>)``.
+
+Every other loss mode runs verl's ``train_batch`` untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.metric import AggregationType, Metric
+from verl.workers.engine.base import BaseEngine
+from verl.workers.utils.padding import no_padding_2_padding
+
+from .config import MASK_KEY, METRIC_PREFIX, KLCovGlobalSettings, is_kl_cov_global, read_settings
+from .loss import provide_kl_cov_mask
+from .selection import KLCovSelection, select_kl_cov_tokens
+
+TARGET_VERL_VERSION = "0.9.1"
+SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
+_ORIGINAL_ATTR = "__verl_klcov_global_original__"
+
+
+class UnsupportedEngineError(RuntimeError):
+    """kl_cov_global was selected on an engine the prepass hook does not cover."""
+
+
+@dataclass(frozen=True)
+class PrepassResult:
+    """Outcome of one optimizer step's prepass and selection.
+
+    ``selection.mask`` is (batch, response_len) bool over this rank's minibatch,
+    in its original sample order.
+    """
+
+    selection: KLCovSelection
+    prepass_seconds: float
+    selection_seconds: float
+
+
+# ---------------------------------------------------------------------------------------------
+# Installation
+
+
+def install_hook() -> None:
+    """Install PATCH ``train_batch_prepass`` (idempotent). Raises if verl's target moved."""
+    current = BaseEngine.train_batch
+    if getattr(current, _ORIGINAL_ATTR, None) is not None:
+        return
+    params = list(inspect.signature(current).parameters)
+    if params[:3] != ["self", "data", "loss_function"]:
+        raise RuntimeError(
+            f"verl_klcov_global targets verl {TARGET_VERL_VERSION}: BaseEngine.train_batch(self, data, "
+            f"loss_function) was expected, found parameters {params}. Pin verl==0.9.1 or update the plugin."
+        )
+
+    @functools.wraps(current)
+    def train_batch(self, data: TensorDict, loss_function: Callable) -> Any:
+        return _train_batch_with_prepass(current, self, data, loss_function)
+
+    setattr(train_batch, _ORIGINAL_ATTR, current)
+    BaseEngine.train_batch = train_batch
+
+
+def is_hook_installed() -> bool:
+    """True when PATCH ``train_batch_prepass`` is active in this process."""
+    return getattr(BaseEngine.train_batch, _ORIGINAL_ATTR, None) is not None
+
+
+def uninstall_hook() -> None:
+    """Restore verl's own ``BaseEngine.train_batch`` (for tests)."""
+    original = getattr(BaseEngine.train_batch, _ORIGINAL_ATTR, None)
+    if original is not None:
+        BaseEngine.train_batch = original
+
+
+# ---------------------------------------------------------------------------------------------
+# The wrapped optimizer step
+
+
+def actor_config_of(loss_function: Optional[Callable]) -> Any:
+    """The actor config bound into verl's loss function (``partial(ppo_loss, config=...)``), or None."""
+    keywords = getattr(loss_function, "keywords", None) or {}
+    return keywords.get("config")
+
+
+def _train_batch_with_prepass(original: Callable, engine: BaseEngine, data: TensorDict, loss_function: Callable):
+    actor_config = actor_config_of(loss_function)
+    if actor_config is None or not is_kl_cov_global(actor_config):
+        return original(engine, data, loss_function)
+    settings = read_settings(actor_config)
+    require_supported_engine(engine)
+
+    prepass = run_prepass_and_select(engine, data, settings)
+    data[MASK_KEY] = mask_in_layout_of(prepass.selection.mask, data["response_mask"])
+    try:
+        outputs = original(
+            engine, data, functools.partial(_loss_with_mask_slice, loss_function, prepass.selection.figures())
+        )
+    finally:
+        del data[MASK_KEY]
+    if isinstance(outputs, dict) and isinstance(outputs.get("metrics"), dict):
+        outputs["metrics"][f"{METRIC_PREFIX}prepass_seconds"] = Metric(AggregationType.MEAN, prepass.prepass_seconds)
+        outputs["metrics"][f"{METRIC_PREFIX}selection_seconds"] = Metric(
+            AggregationType.MEAN, prepass.selection_seconds
+        )
+    return outputs
+
+
+def require_supported_engine(engine: BaseEngine) -> None:
+    """Raise :class:`UnsupportedEngineError` unless ``engine`` is verl's FSDP engine (fsdp or fsdp2)."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    strategy = getattr(getattr(engine, "engine_config", None), "strategy", None)
+    if not isinstance(engine, FSDPEngineWithLMHead) or strategy not in SUPPORTED_STRATEGIES:
+        raise UnsupportedEngineError(
+            f"loss_mode=kl_cov_global supports verl's FSDP engine only (actor strategy {SUPPORTED_STRATEGIES}); "
+            f"this actor runs {type(engine).__name__} with strategy {strategy!r}. Set "
+            "actor_rollout_ref.actor.strategy=fsdp2 (or fsdp), or use loss_mode=kl_cov (per-micro-batch selection)."
+        )
+
+
+def _loss_with_mask_slice(loss_function: Callable, figures: dict, model_output, data: TensorDict, dp_group=None):
+    """verl's loss function, called inside ``provide_kl_cov_mask`` with this micro-batch's mask slice."""
+    if MASK_KEY not in data.keys():
+        raise RuntimeError(
+            f"micro-batch lost the per-token field {MASK_KEY!r} on its way from the minibatch: verl's micro-batch "
+            f"splitting changed (plugin targets verl {TARGET_VERL_VERSION})"
+        )
+    # Same conversion verl's ppo_loss applies to response_mask, so the shapes match.
+    mask = data.select("response_mask", MASK_KEY).to_padded_tensor()[MASK_KEY].bool()
+    with provide_kl_cov_mask(mask, figures):
+        return loss_function(model_output=model_output, data=data, dp_group=dp_group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepass and selection
+
+
+def run_prepass_and_select(engine: BaseEngine, data: TensorDict, settings: KLCovGlobalSettings) -> PrepassResult:
+    """No-grad log-probs of the whole minibatch, then one selection over it and the DP group."""
+    started = time.perf_counter()
+    log_probs = compute_prepass_log_probs(engine, data, settings.prepass_layout)
+    response_mask = padded(data["response_mask"])
+    advantages = padded(data["advantages"]).to(log_probs.device)
+    log_probs = fit_width(log_probs, response_mask.shape[1])
+    selected_at = time.perf_counter()
+    group = engine.get_data_parallel_group() if dist.is_available() and dist.is_initialized() else None
+    selection = select_kl_cov_tokens(
+        advantages, log_probs, response_mask.to(log_probs.device), settings.kl_cov_ratio, group=group
+    )
+    finished = time.perf_counter()
+    return PrepassResult(
+        selection=selection, prepass_seconds=selected_at - started, selection_seconds=finished - selected_at
+    )
+
+
+def prepass_micro_batching(engine: BaseEngine, data: TensorDict, layout: str) -> dict[str, Any]:
+    """Non-tensor micro-batch keys of the prepass for ``layout`` ("infer" or "train")."""
+    use_dynamic_bsz = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
+    if layout == "train":
+        return {}
+    engine_config = engine.engine_config
+    if use_dynamic_bsz:
+        if engine_config.infer_max_token_len_per_gpu is None:
+            raise ValueError(
+                "kl_cov_global's prepass uses the log-prob inference layout, but infer_max_token_len_per_gpu is not "
+                "set: set actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu, or "
+                "actor_rollout_ref.actor.policy_loss.prepass_layout=train"
+            )
+        return {"max_token_len_per_gpu": engine_config.infer_max_token_len_per_gpu}
+    if engine_config.infer_micro_batch_size_per_gpu is None:
+        raise ValueError(
+            "kl_cov_global's prepass uses the log-prob inference layout, but infer_micro_batch_size_per_gpu is not "
+            "set: set actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu, or "
+            "actor_rollout_ref.actor.policy_loss.prepass_layout=train"
+        )
+    return {"micro_batch_size_per_gpu": engine_config.infer_micro_batch_size_per_gpu}
+
+
+def compute_prepass_log_probs(engine: BaseEngine, data: TensorDict, layout: str) -> torch.Tensor:
+    """Current-policy log-probs of every response token of ``data``: (batch, max_response_len), padded.
+
+    A no-grad forward in eval mode (no dropout) that computes only log-probs: no
+    entropy, no distillation; the module's mode and the CPU/device RNG states are
+    restored afterwards, so the training step that follows is unchanged.
+    """
+    prepass_data = data.copy()  # shallow: new keys here do not reach the training step
+    tu.assign_non_tensor(
+        prepass_data,
+        calculate_entropy=False,
+        calculate_sum_pi_squared=False,
+        distillation_use_topk=False,
+        distillation_only=False,
+        **prepass_micro_batching(engine, data, layout),
+    )
+    module = engine.module
+    was_training = module.training
+    with preserved_rng_states():
+        module.eval()
+        try:
+            output = engine.infer_batch(prepass_data, loss_function=None)
+        finally:
+            module.train(was_training)
+    return no_padding_2_padding(output["model_output"]["log_probs"], prepass_data)
+
+
+@contextlib.contextmanager
+def preserved_rng_states() -> Iterator[None]:
+    """Restore the CPU RNG and, on an accelerator, the current device's RNG on exit."""
+    cpu_state = torch.random.get_rng_state()
+    device_module = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        device_module = torch.cuda
+    elif hasattr(torch, "npu") and torch.npu.is_available():  # pragma: no cover - Ascend only
+        device_module = torch.npu
+    device_state = device_module.get_rng_state() if device_module is not None else None
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(cpu_state)
+        if device_module is not None:
+            device_module.set_rng_state(device_state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout helpers
+
+
+def padded(tensor: torch.Tensor) -> torch.Tensor:
+    """(batch, max_len) dense view of a jagged nested or already padded per-token field."""
+    return tensor.to_padded_tensor(0) if tensor.is_nested else tensor
+
+
+def fit_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Cut or zero-pad dim 1 of a (batch, len) tensor to ``width``."""
+    if tensor.shape[1] >= width:
+        return tensor[:, :width]
+    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]))
+
+
+def mask_in_layout_of(mask: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` (batch, width) bool, laid out like ``response_mask`` (nested or padded) and in its dtype."""
+    if not response_mask.is_nested:
+        return mask[:, : response_mask.shape[1]].to(response_mask.dtype)
+    offsets = response_mask.offsets()
+    lengths = offsets.diff()
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    inside = positions.unsqueeze(0) < lengths.to(mask.device).unsqueeze(1)
+    values = mask[inside].to(response_mask.dtype)
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets.to(values.device))

@@ -1,0 +1,22 @@
+"""Entry point (group ``verl.plugins``): registers the loss and installs the engine hook.
+
+verl 0.9.x imports this module on ``import verl`` in every process (driver,
+TaskRunner, Ray workers). Importing or calling :func:`install` again is harmless.
+"""
+
+from __future__ import annotations
+
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+from . import hook
+from .config import LOSS_MODE
+from .loss import compute_policy_loss_kl_cov_global
+
+
+def install() -> None:
+    """Register ``kl_cov_global`` in verl's policy-loss registry and install the prepass hook (idempotent)."""
+    POLICY_LOSS_REGISTRY[LOSS_MODE] = compute_policy_loss_kl_cov_global
+    hook.install_hook()
+
+
+install()

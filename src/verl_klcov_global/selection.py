@@ -1,0 +1,242 @@
+"""Minibatch- and data-parallel-global KL-Cov token selection.
+
+This module is pure torch: it knows nothing about verl. It answers one question
+for one optimizer minibatch, possibly sharded over a data-parallel group:
+*which tokens are the top ``ratio`` fraction by covariance of advantage and
+log-prob?*
+
+Semantics (upstream ``kl_cov``'s, applied once over the whole minibatch):
+
+* ``N`` = number of valid tokens over all ranks: positions where
+  ``response_mask`` is set and both the advantage and the log-prob are finite.
+  Non-finite tokens are excluded from ``N`` and from the means, never
+  selected, and counted in :attr:`KLCovSelection.num_nonfinite`.
+* quota ``k = max(1, int(N * ratio))`` (upstream's rounding); ``k = 0`` when
+  ``N = 0``.
+* covariance ``(A - mean A) * (logp - mean logp)`` with both means over the
+  ``N`` valid tokens of the whole group, in float64.
+* the ``k`` largest covariances are selected. Ties are broken by a total order
+  that does not depend on micro-batching: (rank in ``group``, row, position).
+  verl hands every data-parallel rank a contiguous shard of the minibatch, so
+  this is (global sequence index, token position).
+
+Determinism across splits: the means come from sums in 64-bit fixed point
+(integers add associatively), so they are bit-identical however the minibatch
+is split over ranks; every other quantity is per token. Hence the mask is a
+pure function of the concatenated minibatch.
+
+Communication per call (``group`` with ``W`` ranks): one all-reduce(MAX) of 3
+scalars, one all-reduce(SUM) of 4 integers, one all-gather of ``k`` float64
+candidate values per rank and one all-gather of 2 integers per rank:
+``O(k * W)`` numbers, never the valid tokens themselves. Every rank takes part
+in every collective, also a rank without valid tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["KLCovSelection", "select_kl_cov_tokens", "kl_cov_quota", "validate_kl_cov_ratio"]
+
+# Fixed-point budget: |value| * 2**scale_exponent * token_bound stays below 2**62.
+_FIXED_POINT_BITS = 62
+
+
+@dataclass(frozen=True)
+class KLCovSelection:
+    """Result of :func:`select_kl_cov_tokens`.
+
+    Attributes:
+        mask: bool tensor, same shape and device as the inputs; True where this
+            rank's token is selected for the KL penalty.
+        quota: ``k``, the number of tokens to select over the whole group.
+        num_selected: tokens selected over the whole group (equals ``quota``).
+        num_valid: ``N``, finite tokens under ``response_mask`` over the group.
+        num_nonfinite: tokens under ``response_mask`` whose advantage or
+            log-prob is NaN/inf, over the group; they are never selected.
+        threshold: covariance of the last selected token (the k-th largest),
+            ``nan`` when nothing is selected.
+        mean_advantage: the group-wide mean of ``A`` used for the covariance.
+        mean_log_prob: the group-wide mean of ``logp`` used for the covariance.
+    """
+
+    mask: torch.Tensor
+    quota: int
+    num_selected: int
+    num_valid: int
+    num_nonfinite: int
+    threshold: float
+    mean_advantage: float
+    mean_log_prob: float
+
+    def figures(self) -> dict[str, float]:
+        """The scalar figures, for logging (names without a prefix)."""
+        return {
+            "quota": float(self.quota),
+            "selected": float(self.num_selected),
+            "valid_tokens": float(self.num_valid),
+            "nonfinite_tokens": float(self.num_nonfinite),
+            "cov_threshold": self.threshold,
+        }
+
+
+def validate_kl_cov_ratio(ratio: float) -> float:
+    """Return ``ratio`` as float if it is finite and in (0, 1], else raise ValueError."""
+    try:
+        value = float(ratio)
+    except (TypeError, ValueError):
+        raise ValueError(f"kl_cov_ratio must be a number in (0, 1], got {ratio!r}") from None
+    if not math.isfinite(value) or not (0.0 < value <= 1.0):
+        raise ValueError(
+            f"kl_cov_ratio must be finite and in (0, 1], got {ratio!r}; "
+            "set actor_rollout_ref.actor.policy_loss.kl_cov_ratio, e.g. =0.0002 (the paper's value for 32B) "
+            "or =0.002 (7B)"
+        )
+    return value
+
+
+def kl_cov_quota(num_valid: int, ratio: float) -> int:
+    """Upstream kl_cov's quota ``max(1, int(num_valid * ratio))``; 0 when there are no valid tokens."""
+    if num_valid <= 0:
+        return 0
+    return max(1, int(num_valid * ratio))
+
+
+def _world(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def _all_gather(tensor: torch.Tensor, group, world_size: int) -> torch.Tensor:
+    """Stack of every rank's ``tensor`` along a new dim 0 (rank order)."""
+    if group is None:
+        return tensor.unsqueeze(0)
+    parts = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.stack(parts)
+
+
+def _fixed_point_exponent(max_abs: torch.Tensor, token_bound: torch.Tensor) -> torch.Tensor:
+    """Exponent s such that sum of round(v * 2**s) over <= token_bound values fits in int64."""
+    bound = (max_abs * token_bound).clamp_min(2.0**-900)
+    return torch.floor(_FIXED_POINT_BITS - torch.log2(bound))
+
+
+def _deterministic_means(
+    advantages: torch.Tensor, log_probs: torch.Tensor, valid: torch.Tensor, in_mask: torch.Tensor, group, world_size
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Group-wide means of A and logp over valid tokens, bit-identical for any split.
+
+    Returns (mean_A, mean_logp) as float64 0-d tensors on the inputs' device,
+    and the group-wide counts (valid, non-finite) as Python ints.
+    """
+    a = torch.where(valid, advantages, 0.0)
+    lp = torch.where(valid, log_probs, 0.0)
+    n_local = valid.sum()
+    maxima = torch.stack([a.abs().max() if a.numel() else a.new_zeros(()),
+                          lp.abs().max() if lp.numel() else lp.new_zeros(()),
+                          n_local.to(torch.float64)])
+    _all_reduce(maxima, dist.ReduceOp.MAX, group)
+    token_bound = maxima[2] * world_size
+    exp_a = _fixed_point_exponent(maxima[0], token_bound)
+    exp_lp = _fixed_point_exponent(maxima[1], token_bound)
+    fixed_a = torch.round(a * torch.exp2(exp_a)).to(torch.int64).sum()
+    fixed_lp = torch.round(lp * torch.exp2(exp_lp)).to(torch.int64).sum()
+    n_nonfinite = (in_mask & ~valid).sum()
+    sums = torch.stack([n_local.to(torch.int64), n_nonfinite.to(torch.int64), fixed_a, fixed_lp])
+    _all_reduce(sums, dist.ReduceOp.SUM, group)
+    num_valid, num_nonfinite = (int(x) for x in sums[:2].tolist())  # the one host sync we need: k sizes topk
+    denom = max(num_valid, 1)
+    mean_a = sums[2].to(torch.float64) * torch.exp2(-exp_a) / denom
+    mean_lp = sums[3].to(torch.float64) * torch.exp2(-exp_lp) / denom
+    return mean_a, mean_lp, num_valid, num_nonfinite
+
+
+def select_kl_cov_tokens(
+    advantages: torch.Tensor,
+    log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    ratio: float,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+) -> KLCovSelection:
+    """Select the top ``ratio`` fraction of tokens by covariance, over the whole group.
+
+    Args:
+        advantages: (batch, response_len) advantages A of this rank's shard.
+        log_probs: (batch, response_len) current-policy log-probs of this rank's shard.
+        response_mask: (batch, response_len), nonzero at real response tokens.
+        ratio: ``kl_cov_ratio``, finite, in (0, 1].
+        group: data-parallel process group over which the minibatch is sharded
+            (rank r holds a contiguous block of sequences, lower ranks first),
+            or None for a single process. Every rank of ``group`` must call this
+            with the same ``ratio``; batch sizes may differ, including 0 rows.
+
+    Returns:
+        :class:`KLCovSelection` whose ``mask`` covers this rank's tokens.
+
+    See the module docstring for the exact semantics and tie-breaking.
+    """
+    ratio = validate_kl_cov_ratio(ratio)
+    if not (advantages.shape == log_probs.shape == response_mask.shape) or advantages.dim() != 2:
+        raise ValueError(
+            "advantages, log_probs and response_mask must be 2-D tensors of the same shape (batch, response_len); "
+            f"got {tuple(advantages.shape)}, {tuple(log_probs.shape)}, {tuple(response_mask.shape)}"
+        )
+    rank, world_size = _world(group)
+    a = advantages.detach().to(torch.float64)
+    lp = log_probs.detach().to(torch.float64)
+    in_mask = response_mask.bool()
+    valid = in_mask & torch.isfinite(a) & torch.isfinite(lp)
+
+    mean_a, mean_lp, num_valid, num_nonfinite = _deterministic_means(a, lp, valid, in_mask, group, world_size)
+    quota = kl_cov_quota(num_valid, ratio)
+    if quota == 0:  # same decision on every rank: num_valid is global
+        return KLCovSelection(
+            mask=torch.zeros_like(in_mask), quota=0, num_selected=0, num_valid=0,
+            num_nonfinite=num_nonfinite, threshold=math.nan,
+            mean_advantage=float(mean_a), mean_log_prob=float(mean_lp),
+        )
+
+    neg_inf = torch.tensor(-math.inf, dtype=torch.float64, device=a.device)
+    cov = torch.where(valid, (a - mean_a) * (lp - mean_lp), neg_inf).reshape(-1)
+
+    # Each rank proposes its k largest values; the group's k-th largest is among them.
+    local_k = min(quota, cov.numel())
+    candidates = torch.full((quota,), -math.inf, dtype=torch.float64, device=a.device)
+    if local_k:
+        candidates[:local_k] = torch.topk(cov, local_k, largest=True, sorted=False).values
+    all_candidates = _all_gather(candidates, group, world_size).reshape(-1)
+    threshold = torch.topk(all_candidates, quota, largest=True, sorted=False).values.min()
+
+    above = cov > threshold
+    tied = cov == threshold  # threshold is finite (k <= N), so -inf padding never ties
+    counts = _all_gather(torch.stack([above.sum(), tied.sum()]).to(torch.int64), group, world_size)
+    # Fill the remaining slots with tied tokens in (rank, row, position) order.
+    remaining = quota - counts[:, 0].sum()
+    ties_on_lower_ranks = counts[:rank, 1].sum()
+    take_here = (remaining - ties_on_lower_ranks).clamp(min=0, max=counts[rank, 1])
+    selected = above | (tied & (torch.cumsum(tied.to(torch.int64), 0) <= take_here))
+    num_selected = int(counts[:, 0].sum() + torch.minimum(remaining, counts[:, 1].sum()))
+    return KLCovSelection(
+        mask=selected.reshape(in_mask.shape),
+        quota=quota,
+        num_selected=num_selected,
+        num_valid=num_valid,
+        num_nonfinite=num_nonfinite,
+        threshold=float(threshold),
+        mean_advantage=float(mean_a),
+        mean_log_prob=float(mean_lp),
+    )
