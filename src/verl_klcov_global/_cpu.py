@@ -283,17 +283,33 @@ def _patch_fsdp1_sync_module_states_cpu() -> None:
     setattr(_init_utils, name, _allow_cpu_module_states)
 
 
-def _patch_transformer_impl_device_name() -> None:
-    """PATCH fsdp-engine-device-name (verl 0.9.1).
+_IMPORT_TIME_DEVICE_NAME_MODULES = (
+    "verl.workers.engine.torchtitan.transformer_impl",
+    "verl.experimental.separation.engine_workers",
+    "verl.utils.megatron.router_replay_utils",
+)
 
-    ``verl/workers/engine/fsdp/transformer_impl.py`` caches
-    ``device_name = get_device_name()`` at import time. If that module was
-    imported before the CPU platform was installed it holds "cuda"; reset it.
+
+def _patch_import_time_device_name() -> None:
+    """PATCH import-time-device-name (verl 0.9.1).
+
+    ``import verl`` already resolves the platform (auto-detection falls back
+    to "nvidia" on a CPU host), and a few modules cache
+    ``device_name = get_device_name()`` at import time -- among them
+    ``verl/workers/engine/fsdp/transformer_impl.py`` (~89, used for the
+    Ulysses device mesh). Reset that global to "cpu" in the FSDP engine module
+    (required) and in the other known ones when they are already imported.
     """
+    import sys
+
     from verl.workers.engine.fsdp import transformer_impl
 
     _require(transformer_impl, "device_name", "module-level device_name of the FSDP engine")
     transformer_impl.device_name = "cpu"
+    for name in _IMPORT_TIME_DEVICE_NAME_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "device_name"):
+            module.device_name = "cpu"
 
 
 def _register_cpu_engines() -> None:
@@ -308,6 +324,20 @@ def _register_cpu_engines() -> None:
     missing = [b for b in ("fsdp", "fsdp2") if "cpu" not in backends.get(b, {})]
     if missing:
         EngineRegistry.register(model_type="language_model", backend=missing, device="cpu")(engine_cls)
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str):
+    """Raise logger ``name`` to ERROR for the duration of the block."""
+    import logging
+
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def install_cpu_platform() -> None:
@@ -327,8 +357,11 @@ def install_cpu_platform() -> None:
         PlatformRegistry.register(platform="cpu")(CPUPlatform)
     current = _require(platform_manager, "_current_platform", "verl platform singleton")
     if not isinstance(current, CPUPlatform):
-        set_platform(CPUPlatform())
-    _patch_transformer_impl_device_name()
+        # ``import verl`` has already auto-detected (and cached) "nvidia";
+        # replacing it is expected, so mute set_platform's warning about it.
+        with _quiet_logger(platform_manager.__name__):
+            set_platform(CPUPlatform())
+    _patch_import_time_device_name()
     _register_cpu_engines()
     _patch_fsdp1_sync_module_states_cpu()
     _INSTALLED = True
@@ -418,10 +451,12 @@ def build_fsdp_engine(
             inject); the batch's own non-tensor keys take precedence.
         seed: ``FSDPEngineConfig.seed``; also seeds torch's CPU RNG.
 
-    Initialises a world-size-1 gloo group when none exists.
+    Initialises a world-size-1 gloo group when none exists (for more ranks
+    call :func:`init_process_group_cpu` first). Collective over the group.
     """
     install_cpu_platform()
-    init_process_group_cpu()
+    if not dist.is_initialized():
+        init_process_group_cpu()
     if strategy not in ("fsdp", "fsdp2"):
         raise ValueError(f"strategy must be 'fsdp' or 'fsdp2', got {strategy!r}")
     if dtype not in _DTYPES:

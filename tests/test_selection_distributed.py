@@ -1,0 +1,84 @@
+"""The selection over 2 gloo processes equals the single-process selection bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from verl_klcov_global import selection as selection_module
+from verl_klcov_global._cpu import init_process_group_cpu, spawn
+from verl_klcov_global.selection import select_kl_cov_tokens
+
+from .batches import random_minibatch
+
+pytestmark = pytest.mark.distributed
+
+
+def _cases():
+    """(name, advantages, log_probs, response_mask, ratio, rows on rank 0) of the whole minibatch."""
+    cases = []
+    for seed in range(40):
+        a, lp, m = random_minibatch(seed, batch=10, length=12)
+        ratio = [0.0002, 0.01, 0.1, 0.5, 1.0][seed % 5]
+        cases.append((f"random-{seed}", a, lp, m, ratio, seed % 11))  # rank 0 holds 0..10 rows
+    a, lp, m = random_minibatch(99, batch=8, length=12)
+    m[4:] = False  # rank 1 holds only padding
+    cases.append(("rank1-only-padding", a, lp, m, 0.1, 4))
+    ties_a = torch.ones(8, 6)
+    ties_a[::2] = -1.0
+    ties_lp = torch.where(ties_a > 0, -0.5, -2.5)
+    cases.append(("exact-ties", ties_a, ties_lp, torch.ones(8, 6, dtype=torch.bool), 0.3, 3))
+    const_a = torch.full((8, 6), 0.1)
+    cases.append(("constant-advantage", const_a, -torch.rand(8, 6, generator=torch.Generator().manual_seed(1)),
+                  torch.ones(8, 6, dtype=torch.bool), 0.25, 5))
+    return cases
+
+
+class _CountingDist:
+    """Proxy of torch.distributed that counts the numbers each collective sends."""
+
+    def __init__(self):
+        self.numbers = 0
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        self.numbers += tensor.numel()
+        return dist.all_reduce(tensor, *args, **kwargs)
+
+    def all_gather(self, outputs, tensor, *args, **kwargs):
+        self.numbers += tensor.numel()
+        return dist.all_gather(outputs, tensor, *args, **kwargs)
+
+
+def _run_cases(rank, world_size, port):
+    init_process_group_cpu(rank, world_size, port)
+    counting = _CountingDist()
+    selection_module.dist = counting
+    results = []
+    for name, a, lp, m, ratio, split in _cases():
+        reference = select_kl_cov_tokens(a, lp, m, ratio)  # single process, whole minibatch
+        rows = slice(0, split) if rank == 0 else slice(split, a.shape[0])
+        counting.numbers = 0
+        sharded = select_kl_cov_tokens(a[rows], lp[rows], m[rows], ratio, group=dist.group.WORLD)
+        results.append(dict(
+            name=name,
+            equal=torch.equal(sharded.mask, reference.mask[rows]),
+            figures_equal=sharded.figures() == reference.figures() or (sharded.quota == 0 == reference.quota),
+            numbers_sent=counting.numbers,
+            quota=sharded.quota,
+        ))
+    dist.destroy_process_group()
+    return results
+
+
+def test_two_ranks_give_the_single_process_mask_bit_for_bit():
+    per_rank = spawn(_run_cases, 2)
+    for rank_results in per_rank:
+        for result in rank_results:
+            assert result["equal"], result["name"]
+            assert result["figures_equal"], result["name"]
+            # 3 maxima + 4 sums + k candidates + 2 counts per rank: O(k), not O(valid tokens)
+            assert result["numbers_sent"] <= 3 + 4 + result["quota"] + 2, result
