@@ -47,6 +47,7 @@ from .selection import KLCovSelection, select_kl_cov_tokens
 TARGET_VERL_VERSION = "0.9.1"
 SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
 _ORIGINAL_ATTR = "__verl_klcov_global_original__"
+_SELECTION_OBSERVERS: list[Callable[[BaseEngine, "PrepassResult"], None]] = []
 
 
 class UnsupportedEngineError(RuntimeError):
@@ -90,6 +91,19 @@ def install_hook() -> None:
     BaseEngine.train_batch = train_batch
 
 
+@contextlib.contextmanager
+def observe_selections(callback: Callable[[BaseEngine, "PrepassResult"], None]) -> Iterator[None]:
+    """Call ``callback(engine, result)`` after every prepass selection made inside this block.
+
+    For diagnostics and tests: the mask is deleted from the minibatch after the step.
+    """
+    _SELECTION_OBSERVERS.append(callback)
+    try:
+        yield
+    finally:
+        _SELECTION_OBSERVERS.remove(callback)
+
+
 def is_hook_installed() -> bool:
     """True when PATCH ``train_batch_prepass`` is active in this process."""
     return getattr(BaseEngine.train_batch, _ORIGINAL_ATTR, None) is not None
@@ -120,6 +134,8 @@ def _train_batch_with_prepass(original: Callable, engine: BaseEngine, data: Tens
     require_supported_engine(engine)
 
     prepass = run_prepass_and_select(engine, data, settings)
+    for observer in list(_SELECTION_OBSERVERS):
+        observer(engine, prepass)
     data[MASK_KEY] = mask_in_layout_of(prepass.selection.mask, data["response_mask"])
     try:
         outputs = original(

@@ -1,0 +1,191 @@
+"""The experiment of verl issue #7829 on verl's real FSDP engine: does the update depend on micro-batching?
+
+One *block* = one frozen minibatch (advantages, ``old_log_probs = current + noise``)
+and one optimizer update from the same initial weights per (loss mode, layout).
+Comparing the parameters after the update between two layouts gives
+
+* for ``vanilla`` (no penalty): the floating-point noise floor of re-associating sums;
+* for ``kl_cov``: noise + the effect of per-micro-batch selection (#7829);
+* for ``kl_cov_global``: should stay at the noise floor.
+
+Used by the tests and by ``verl-klcov-global diagnose``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from tensordict import TensorDict
+
+from . import _cpu, _tiny
+from .hook import PrepassResult, observe_selections
+from .selection import kl_cov_quota
+
+MODES = ("vanilla", "kl_cov", "kl_cov_global")
+
+
+@dataclass(frozen=True)
+class MicroBatchLayout:
+    """How one optimizer minibatch is split into micro-batches (verl's non-tensor keys)."""
+
+    name: str
+    use_dynamic_bsz: bool
+    micro_batch_size_per_gpu: Optional[int] = None
+    max_token_len_per_gpu: Optional[int] = None
+
+    def apply(self, td: TensorDict) -> TensorDict:
+        return _tiny.set_micro_batching(
+            td, use_dynamic_bsz=self.use_dynamic_bsz, micro_batch_size_per_gpu=self.micro_batch_size_per_gpu,
+            max_token_len_per_gpu=self.max_token_len_per_gpu,
+        )
+
+
+def dynamic_layouts(batch_size: int, seq_len: int, micro_batches: int) -> tuple[MicroBatchLayout, MicroBatchLayout]:
+    """One dynamic micro-batch holding everything vs ``micro_batches`` dynamic ones.
+
+    Every sequence has ``seq_len`` tokens, so a token budget of
+    ``ceil(batch_size / micro_batches) * seq_len`` forms ``micro_batches`` micro-batches.
+    """
+    if micro_batches < 1 or micro_batches > batch_size:
+        raise ValueError(f"micro-batches must be in [1, {batch_size}] (the minibatch size), got {micro_batches}")
+    per_micro = -(-batch_size // micro_batches)
+    return (
+        MicroBatchLayout("1 micro-batch", True, max_token_len_per_gpu=batch_size * seq_len),
+        MicroBatchLayout(f"{micro_batches} micro-batches", True, max_token_len_per_gpu=per_micro * seq_len),
+    )
+
+
+def static_layouts(batch_size: int, micro_batches: int) -> tuple[MicroBatchLayout, MicroBatchLayout]:
+    """One static micro-batch of ``batch_size`` vs micro-batches of ``batch_size // micro_batches``."""
+    if micro_batches < 1 or batch_size % micro_batches:
+        raise ValueError(f"micro-batches must divide the minibatch size {batch_size}, got {micro_batches}")
+    return (
+        MicroBatchLayout("1 micro-batch", False, micro_batch_size_per_gpu=batch_size),
+        MicroBatchLayout(f"{micro_batches} micro-batches", False, micro_batch_size_per_gpu=batch_size // micro_batches),
+    )
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything that defines the engine of one update (the same initial weights every time)."""
+
+    model_path: str
+    strategy: str = "fsdp"
+    dtype: str = "fp32"
+    use_remove_padding: bool = False
+    lr: float = 0.02
+    clip_grad: float = 0.05
+    infer_micro_batch_size_per_gpu: int = 16
+    infer_max_token_len_per_gpu: int = 4096
+
+    def build(self):
+        return _cpu.build_fsdp_engine(
+            self.model_path, strategy=self.strategy, dtype=self.dtype, lr=self.lr, clip_grad=self.clip_grad,
+            use_remove_padding=self.use_remove_padding,
+            infer_micro_batch_size_per_gpu=self.infer_micro_batch_size_per_gpu,
+            infer_max_token_len_per_gpu=self.infer_max_token_len_per_gpu,
+        )
+
+
+@dataclass
+class UpdateOutcome:
+    """One optimizer update: parameters after it and what was selected.
+
+    ``params``: float64 (P,) full parameter vector after the step.
+    ``masks``: per optimizer step, the kl_cov_global mask (batch, response_len) of this rank.
+    ``selected_tokens``: tokens penalised (kl_cov_global: the global selection;
+    kl_cov: the sum of the per-micro-batch quotas; vanilla: 0).
+    """
+
+    params: torch.Tensor
+    masks: list[torch.Tensor] = field(default_factory=list)
+    selected_tokens: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def _counting_ppo_loss(counter: list, config, model_output, data, dp_group=None):
+    """verl's ppo_loss, counting the tokens kl_cov selects in each micro-batch (its quota)."""
+    from verl.workers.utils.losses import ppo_loss
+
+    if config.policy_loss.loss_mode == "kl_cov":
+        counter.append(kl_cov_quota(int(data["response_mask"].sum()), config.policy_loss.kl_cov_ratio))
+    return ppo_loss(config, model_output, data, dp_group)
+
+
+def one_update(engine_spec: EngineSpec, batch: TensorDict, actor_config, layout: MicroBatchLayout) -> UpdateOutcome:
+    """Build a fresh engine, run one ``train_batch`` of ``batch`` with ``layout``, return the outcome.
+
+    Collective when world size > 1 (every rank calls it with its shard).
+    """
+    engine = engine_spec.build()
+    td = layout.apply(batch.copy())
+    quotas: list[int] = []
+    selections: list[PrepassResult] = []
+    loss_function = functools.partial(functools.partial(_counting_ppo_loss, quotas), config=actor_config)
+    with observe_selections(lambda _engine, result: selections.append(result)), engine.train_mode():
+        output = engine.train_batch(td, loss_function=loss_function)
+    params = _cpu.engine_params_flat(engine)
+    if selections:
+        selected = selections[-1].selection.num_selected
+    else:
+        selected = sum(quotas)
+    return UpdateOutcome(
+        params=params,
+        masks=[s.selection.mask.clone() for s in selections],
+        selected_tokens=selected,
+        metrics=dict(output.get("metrics", {})) if isinstance(output, dict) else {},
+    )
+
+
+def frozen_minibatch(engine_spec: EngineSpec, seed: int, *, batch_size: int = 64, prompt_len: int = 16,
+                     response_len: int = 128, layout: str = "v1", **batch_kwargs) -> TensorDict:
+    """A minibatch whose ``old_log_probs`` are the initial policy's log-probs + N(0, 0.05).
+
+    The perturbation matters: with old == current exactly, |log-ratio| has zero
+    gradient and kl_cov's penalty is invisible (see VERL_NOTES).
+    """
+    common = dict(batch_size=batch_size, prompt_len=prompt_len, response_len=response_len, seed=seed,
+                  layout=layout, use_remove_padding=engine_spec.use_remove_padding, **batch_kwargs)
+    probe = _tiny.make_minibatch(**common)
+    current = _tiny.compute_current_log_probs(engine_spec.build(), probe)
+    return _tiny.make_minibatch(**common, log_probs=current)
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+@dataclass
+class ModeResult:
+    """One loss mode in one block: the two layouts' outcomes and their difference."""
+
+    mode: str
+    selected_per_layout: tuple[int, int]
+    masks_identical: Optional[bool]
+    max_param_diff: float
+
+
+def run_block(engine_spec: EngineSpec, batch: TensorDict, layouts: tuple[MicroBatchLayout, MicroBatchLayout],
+              actor_config_for: Callable[[str], Any], modes=MODES,
+              progress: Callable[[str], None] = lambda message: None) -> dict[str, ModeResult]:
+    """Run every mode under both layouts on the same frozen ``batch``."""
+    results = {}
+    for mode in modes:
+        outcomes = []
+        for layout in layouts:
+            progress(f"{mode} / {layout.name}")
+            outcomes.append(one_update(engine_spec, batch, actor_config_for(mode), layout))
+        first, second = outcomes
+        masks_identical = None
+        if first.masks and second.masks:
+            masks_identical = all(torch.equal(x, y) for x, y in zip(first.masks, second.masks, strict=True))
+        results[mode] = ModeResult(
+            mode=mode,
+            selected_per_layout=(first.selected_tokens, second.selected_tokens),
+            masks_identical=masks_identical,
+            max_param_diff=max_abs_diff(first.params, second.params),
+        )
+    return results

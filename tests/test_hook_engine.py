@@ -1,0 +1,107 @@
+"""The prepass hook in verl's real FSDP engine (CPU): the experiment of verl issue #7829.
+
+Parameter updates are compared against the penalty-free control's noise floor
+(``vanilla``: the same update, only re-associated sums differ), never a fixed tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verl_klcov_global import _tiny
+from verl_klcov_global.experiment import (
+    EngineSpec, dynamic_layouts, frozen_minibatch, max_abs_diff, one_update, run_block, static_layouts,
+)
+
+BATCH, PROMPT, RESPONSE = 64, 16, 128
+SEQ = PROMPT + RESPONSE
+NOISE_FACTOR = 10  # kl_cov_global's layout difference must stay within 10x the control's
+BLOCKS = (0, 1, 2)
+
+
+def actor_config_for(mode, **kwargs):
+    return _tiny.make_actor_config(loss_mode=mode, kl_cov_ratio=0.0002, ppo_kl_coef=1.0, **kwargs)
+
+
+def assert_invariant(results, report):
+    control = results["vanilla"].max_param_diff
+    global_ = results["kl_cov_global"]
+    assert global_.masks_identical is True
+    assert global_.selected_per_layout == (1, 1)
+    assert control > 0, "no noise floor: the two layouts did not differ at all, the comparison proves nothing"
+    assert global_.max_param_diff <= NOISE_FACTOR * control, (global_.max_param_diff, control)
+    report.append(global_.max_param_diff / control)
+
+
+@pytest.mark.slow
+def test_issue_7829_dynamic_micro_batches_kl_cov_varies_kl_cov_global_does_not(tiny_model_path, capsys):
+    spec = EngineSpec(tiny_model_path)
+    global_ratios, kl_cov_ratios = [], []
+    for seed in BLOCKS:
+        batch = frozen_minibatch(spec, seed, batch_size=BATCH, prompt_len=PROMPT, response_len=RESPONSE)
+        results = run_block(spec, batch, dynamic_layouts(BATCH, SEQ, 8), actor_config_for)
+        assert_invariant(results, global_ratios)
+        kl_cov = results["kl_cov"]
+        assert kl_cov.selected_per_layout == (1, 8)  # 8,192 tokens at 0.0002: one quota vs eight
+        kl_cov_ratios.append(kl_cov.max_param_diff / results["vanilla"].max_param_diff)
+        assert kl_cov.max_param_diff > 100 * results["vanilla"].max_param_diff
+    with capsys.disabled():
+        print(f"\n[#7829 dynamic] max|dtheta| / control: kl_cov {[f'{r:.0f}' for r in kl_cov_ratios]}, "
+              f"kl_cov_global {[f'{r:.2f}' for r in global_ratios]}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_static_micro_batches_64_vs_8(tiny_model_path, strategy, packed, capsys):
+    spec = EngineSpec(tiny_model_path, strategy=strategy, use_remove_padding=packed)
+    ratios = []
+    blocks = BLOCKS if not packed else BLOCKS[:1]  # packed attention is quadratic in micro-batch tokens on CPU
+    for seed in blocks:
+        batch = frozen_minibatch(spec, seed, batch_size=BATCH, prompt_len=PROMPT, response_len=RESPONSE)
+        results = run_block(spec, batch, static_layouts(BATCH, 8), actor_config_for, modes=("vanilla", "kl_cov_global"))
+        assert_invariant(results, ratios)
+    with capsys.disabled():
+        print(f"\n[static {strategy} {'packed' if packed else 'padded'}] kl_cov_global/control {ratios}")
+
+
+@pytest.mark.slow
+def test_legacy_layout_with_varied_lengths(tiny_model_path):
+    spec = EngineSpec(tiny_model_path)
+    batch = frozen_minibatch(spec, 7, batch_size=BATCH, prompt_len=PROMPT, response_len=RESPONSE,
+                             layout="legacy", vary_lengths=True)
+    results = run_block(spec, batch, static_layouts(BATCH, 8), actor_config_for, modes=("vanilla", "kl_cov_global"))
+    assert_invariant(results, [])
+
+
+@pytest.mark.slow
+def test_other_loss_terms_stay_intact_against_kl_cov_with_one_micro_batch(tiny_model_path):
+    """kl_cov_global over 8 micro-batches == verl's kl_cov over 1 (the reference), with entropy, KL loss, IS weights."""
+    spec = EngineSpec(tiny_model_path)
+    batch = frozen_minibatch(spec, 3, batch_size=BATCH, prompt_len=PROMPT, response_len=RESPONSE,
+                             with_rollout_is_weights=True, with_ref_log_prob=True, calculate_entropy=True)
+    one, eight = dynamic_layouts(BATCH, SEQ, 8)
+    extra = dict(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
+    reference = one_update(spec, batch, actor_config_for("kl_cov", **extra), one)
+    ours = one_update(spec, batch, actor_config_for("kl_cov_global", **extra), eight)
+    control_one = one_update(spec, batch, actor_config_for("vanilla", **extra), one)
+    control_eight = one_update(spec, batch, actor_config_for("vanilla", **extra), eight)
+    noise = max_abs_diff(control_one.params, control_eight.params)
+    assert noise > 0
+    assert max_abs_diff(ours.params, reference.params) <= NOISE_FACTOR * noise
+    # and the penalty did act: kl_cov_global is not just the control
+    assert max_abs_diff(ours.params, control_eight.params) > 100 * noise
+    for name in ("actor/kl_cov/quota", "actor/kl_cov/selected", "actor/kl_cov/cov_threshold",
+                 "actor/kl_cov/prepass_seconds", "actor/entropy_loss", "kl_loss"):
+        assert name in ours.metrics, name
+
+
+@pytest.mark.slow
+def test_bf16_masks_do_not_depend_on_training_micro_batches(tiny_model_path):
+    spec = EngineSpec(tiny_model_path, dtype="bf16")
+    for seed in (0, 1):
+        batch = frozen_minibatch(spec, seed, batch_size=BATCH, prompt_len=PROMPT, response_len=RESPONSE)
+        outcomes = [one_update(spec, batch, actor_config_for("kl_cov_global"), layout)
+                    for layout in dynamic_layouts(BATCH, SEQ, 8)]
+        assert torch.equal(outcomes[0].masks[0], outcomes[1].masks[0])
