@@ -105,3 +105,42 @@ def test_bf16_masks_do_not_depend_on_training_micro_batches(tiny_model_path):
         outcomes = [one_update(spec, batch, actor_config_for("kl_cov_global"), layout)
                     for layout in dynamic_layouts(BATCH, SEQ, 8)]
         assert torch.equal(outcomes[0].masks[0], outcomes[1].masks[0])
+
+
+def _dp_updates(rank, world_size, port, model_path, batch_file, layout):
+    """One update per mode on this rank's contiguous shard of the saved minibatch."""
+    from verl_klcov_global._cpu import init_process_group_cpu
+
+    init_process_group_cpu(rank, world_size, port)
+    batch = torch.load(batch_file, weights_only=False)
+    shard = _tiny.shard_for_rank(batch, rank, world_size)
+    spec = EngineSpec(model_path)
+    outcomes = {mode: one_update(spec, shard, actor_config_for(mode), layout) for mode in ("vanilla", "kl_cov_global")}
+    return {mode: (o.params, o.masks[0] if o.masks else None) for mode, o in outcomes.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_dp_ranks_give_the_single_rank_mask_and_update(tiny_model_path, tmp_path, capsys):
+    from verl_klcov_global._cpu import spawn
+
+    spec = EngineSpec(tiny_model_path)
+    _, layout = dynamic_layouts(BATCH, SEQ, 8)  # 8 sequences per micro-batch: 8 on 1 rank, 4 per rank on 2
+    ratios = []
+    for seed in (0, 1):
+        batch = frozen_minibatch(spec, seed, batch_size=BATCH, prompt_len=PROMPT, response_len=RESPONSE)
+        single = {mode: one_update(spec, batch, actor_config_for(mode), layout) for mode in ("vanilla", "kl_cov_global")}
+        batch_file = tmp_path / f"batch{seed}.pt"
+        torch.save(batch, batch_file)
+        rank0, rank1 = spawn(_dp_updates, 2, tiny_model_path, str(batch_file), layout)
+
+        assert torch.equal(torch.cat([rank0["kl_cov_global"][1], rank1["kl_cov_global"][1]]),
+                           single["kl_cov_global"].masks[0])
+        assert torch.equal(rank0["kl_cov_global"][0], rank1["kl_cov_global"][0])  # ranks agree on the update
+        control = max_abs_diff(rank0["vanilla"][0], single["vanilla"].params)
+        ours = max_abs_diff(rank0["kl_cov_global"][0], single["kl_cov_global"].params)
+        assert control > 0
+        assert ours <= NOISE_FACTOR * control, (ours, control)
+        ratios.append(ours / control)
+    with capsys.disabled():
+        print(f"\n[DP 2 vs 1] kl_cov_global/control {ratios}")

@@ -379,8 +379,10 @@ def find_free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_process_group_cpu(rank: int = 0, world_size: int = 1, port: Optional[int] = None) -> None:
-    """Initialise torch.distributed with plain "gloo" on 127.0.0.1.
+def init_process_group_cpu(
+    rank: int = 0, world_size: int = 1, port: Optional[int] = None, backend: str = "gloo"
+) -> None:
+    """Initialise torch.distributed with plain ``backend`` ("gloo"; "nccl" on a GPU) on 127.0.0.1.
 
     Sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT. No-op when already initialised with the same world size;
@@ -403,7 +405,7 @@ def init_process_group_cpu(rank: int = 0, world_size: int = 1, port: Optional[in
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    dist.init_process_group(backend="gloo", rank=rank, world_size=world_size, init_method="env://")
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, init_method="env://")
 
 
 # ---------------------------------------------------------------------------
@@ -432,6 +434,7 @@ def build_fsdp_engine(
     infer_max_token_len_per_gpu: Optional[int] = 4096,
     gradient_checkpointing: bool = False,
     seed: int = 0,
+    device: str = "cpu",
 ):
     """Build and ``initialize()`` verl's ``FSDPEngineWithLMHead`` on CPU.
 
@@ -450,13 +453,18 @@ def build_fsdp_engine(
         infer_*: stored in the engine config (what ``TrainingWorker`` would
             inject); the batch's own non-tensor keys take precedence.
         seed: ``FSDPEngineConfig.seed``; also seeds torch's CPU RNG.
+        device: "cpu" (installs the CPU platform, gloo) or "cuda" (verl's own
+            platform, one NCCL rank).
 
     Initialises a world-size-1 gloo group when none exists (for more ranks
     call :func:`init_process_group_cpu` first). Collective over the group.
     """
-    install_cpu_platform()
-    if not dist.is_initialized():
-        init_process_group_cpu()
+    if device == "cpu":
+        install_cpu_platform()
+        if not dist.is_initialized():
+            init_process_group_cpu()
+    elif not dist.is_initialized():  # an accelerator: verl's own platform, one NCCL rank
+        init_process_group_cpu(backend="nccl")
     if strategy not in ("fsdp", "fsdp2"):
         raise ValueError(f"strategy must be 'fsdp' or 'fsdp2', got {strategy!r}")
     if dtype not in _DTYPES:

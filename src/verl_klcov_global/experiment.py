@@ -80,13 +80,14 @@ class EngineSpec:
     clip_grad: float = 0.05
     infer_micro_batch_size_per_gpu: int = 16
     infer_max_token_len_per_gpu: int = 4096
+    device: str = "cpu"
 
     def build(self):
         return _cpu.build_fsdp_engine(
             self.model_path, strategy=self.strategy, dtype=self.dtype, lr=self.lr, clip_grad=self.clip_grad,
             use_remove_padding=self.use_remove_padding,
             infer_micro_batch_size_per_gpu=self.infer_micro_batch_size_per_gpu,
-            infer_max_token_len_per_gpu=self.infer_max_token_len_per_gpu,
+            infer_max_token_len_per_gpu=self.infer_max_token_len_per_gpu, device=self.device,
         )
 
 

@@ -1,0 +1,88 @@
+"""``verl-klcov-global diagnose``: a real short run, its JSON, exit statuses and option errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from verl_klcov_global import cli
+from verl_klcov_global.diagnose import DiagnoseOptions, summarise
+
+SMALL = ["--blocks", "1", "--batch-size", "16", "--response-len", "32", "--micro-batches", "4"]
+
+
+def run_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "verl_klcov_global", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.slow
+def test_short_real_run_reports_invariance_and_writes_json(tmp_path):
+    out = tmp_path / "report.json"
+    proc = run_cli("diagnose", *SMALL, "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK: kl_cov_global is INVARIANT" in proc.stdout
+    assert "[block 1/1] update 6/6: kl_cov_global / 4 micro-batches" in proc.stderr  # progress is shown
+    report = json.loads(out.read_text())
+    assert report["invariant"] is True
+    assert report["modes"]["kl_cov_global"]["masks_identical"] is True
+    assert report["modes"]["kl_cov_global"]["selected_per_layout"] == [[1, 1]]
+    assert report["modes"]["kl_cov"]["selected_per_layout"] == [[1, 4]]
+    assert report["modes"]["kl_cov"]["ratio_to_control"][0] > 10
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/nonexistent/model"], "no such directory"),
+    (["--micro-batches", "0"], "--micro-batches must be >= 1"),
+    (["--micro-batches", "65"], "cannot be formed from 64 sequences"),
+    (["--layout", "static", "--micro-batches", "7"], "needs --micro-batches to divide"),
+    (["--kl-cov-ratio", "0"], "kl_cov_ratio must be finite"),
+    (["--blocks", "0"], "--blocks must be >= 1"),
+    (["--json", "/nonexistent/dir/report.json"], "does not exist"),
+])
+def test_bad_options_fail_clearly_and_write_nothing(tmp_path, capfd, args, message):
+    out = tmp_path / "report.json"
+    full = ["diagnose", *args] if "--json" in args else ["diagnose", *args, "--json", str(out)]
+    assert cli.main(full) == 2
+    err = capfd.readouterr().err
+    assert message in err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    assert "[block" not in err  # rejected before any work
+
+
+def test_model_folder_without_config_is_rejected(tmp_path, capfd):
+    assert cli.main(["diagnose", "--model", str(tmp_path)]) == 2
+    assert "no config.json" in capfd.readouterr().err
+
+
+def _block(global_masks_identical, global_diff):
+    return {
+        "vanilla": {"selected_per_layout": (0, 0), "masks_identical": None, "max_param_diff": 1e-9, "mode": "vanilla"},
+        "kl_cov": {"selected_per_layout": (1, 8), "masks_identical": None, "max_param_diff": 1e-6, "mode": "kl_cov"},
+        "kl_cov_global": {"selected_per_layout": (1, 1), "masks_identical": global_masks_identical,
+                          "max_param_diff": global_diff, "mode": "kl_cov_global"},
+    }
+
+
+def test_verdict_fails_when_masks_differ_or_update_exceeds_the_noise_floor():
+    options = DiagnoseOptions()
+    assert summarise(options, "cpu", ["a", "b"], [_block(True, 2e-9)])["invariant"] is True
+    assert summarise(options, "cpu", ["a", "b"], [_block(False, 1e-9)])["invariant"] is False
+    assert summarise(options, "cpu", ["a", "b"], [_block(True, 1e-7)])["invariant"] is False
+
+
+def test_exit_status_is_one_when_not_invariant(monkeypatch, capsys):
+    failing = summarise(DiagnoseOptions(), "cpu", ["1 micro-batch", "8 micro-batches"], [_block(False, 1e-7)])
+    monkeypatch.setattr("verl_klcov_global.diagnose.run_diagnose", lambda options: failing)
+    assert cli.main(["diagnose"]) == 1
+    assert "FAIL: kl_cov_global is NOT invariant" in capsys.readouterr().out
+
+
+def test_console_script_is_installed():
+    script = os.path.join(os.path.dirname(sys.executable), "verl-klcov-global")
+    proc = subprocess.run([script, "diagnose", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--micro-batches" in proc.stdout
