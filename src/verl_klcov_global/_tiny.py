@@ -50,6 +50,8 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, TensorDict
 
+from .hook import fit_width
+
 __all__ = [
     "TINY_MODEL_KWARGS",
     "PAD_TOKEN",
@@ -214,13 +216,6 @@ def _padded_sample(
     )
 
 
-def _fit_width(x: torch.Tensor, width: int) -> torch.Tensor:
-    """Crop or right-zero-pad a (B, w) tensor to (B, width)."""
-    if x.shape[1] >= width:
-        return x[:, :width]
-    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
-
-
 def _log_prob_fields(
     t: dict[str, torch.Tensor], *, seed: int, log_probs: Optional[torch.Tensor], noise: float,
     with_rollout_is_weights: bool, with_ref_log_prob: bool,
@@ -230,7 +225,7 @@ def _log_prob_fields(
     mask = t["response_mask"]
     bsz, width = mask.shape
     gen = torch.Generator().manual_seed(seed + 1)
-    base = torch.zeros(bsz, width) if log_probs is None else _fit_width(log_probs.detach().float().cpu(), width)
+    base = torch.zeros(bsz, width) if log_probs is None else fit_width(log_probs.detach().float().cpu(), width)
     out = {"old_log_probs": (base + noise * torch.randn(bsz, width, generator=gen)) * mask}
     if with_rollout_is_weights:
         out["rollout_is_weights"] = (0.5 + torch.rand(bsz, width, generator=gen)) * mask
