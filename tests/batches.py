@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from verl_klcov_global.selection import kl_cov_quota
 
 
 def random_minibatch(seed: int, batch: int = 16, length: int = 24, *, min_len: int = 1, group: int = 4):
@@ -19,3 +23,14 @@ def random_minibatch(seed: int, batch: int = 16, length: int = 24, *, min_len: i
     advantages = per_group.unsqueeze(1) + 0.1 * torch.randn(batch, length, generator=gen)
     log_probs = -8 * torch.rand(batch, length, generator=gen)
     return advantages * response_mask, log_probs * response_mask, response_mask
+
+
+def boundary_gap(advantages, log_probs, response_mask, ratio):
+    """Relative gap between the k-th and (k+1)-th covariance (float64); inf when nothing is left out."""
+    valid = response_mask.bool()
+    a, lp = advantages[valid].double(), log_probs[valid].double()
+    cov = ((a - a.mean()) * (lp - lp.mean())).sort(descending=True).values
+    k = kl_cov_quota(len(cov), ratio)
+    if k >= len(cov):
+        return math.inf
+    return float((cov[k - 1] - cov[k]) / cov.abs().max().clamp_min(1e-30))

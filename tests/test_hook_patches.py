@@ -27,7 +27,7 @@ from verl.workers.engine.base import BaseEngine
 from verl.workers.utils.losses import ppo_loss
 
 from verl_klcov_global import _cpu, _tiny, hook, plugin
-from verl_klcov_global.config import KLCovGlobalPolicyLossConfig, is_kl_cov_global, read_settings
+from verl_klcov_global.config import MASK_KEY, KLCovGlobalPolicyLossConfig, is_kl_cov_global, read_settings
 from verl_klcov_global.experiment import EngineSpec, frozen_minibatch
 
 ORIGINAL_ATTR = "__verl_klcov_global_original__"
@@ -143,12 +143,9 @@ def test_patch_target_is_what_hook_py_expects(restore_hook):
     # verl builds the loss as partial(ppo_loss, config=actor_config) (the hook reads .keywords["config"])
     # and calls it with keywords model_output / data / dp_group (the hook's wrapper takes those)
     assert list(inspect.signature(ppo_loss).parameters) == ["config", "model_output", "data", "dp_group"]
-    worker_source = inspect.getsource(sys.modules["verl.workers.engine_workers"]) if (
-        "verl.workers.engine_workers" in sys.modules) else None
-    if worker_source is None:
-        import verl.workers.engine_workers as engine_workers
+    import verl.workers.engine_workers as engine_workers
 
-        worker_source = inspect.getsource(engine_workers)
+    worker_source = inspect.getsource(engine_workers)
     assert "partial(ppo_loss, config=actor_config)" in worker_source
     assert "self.engine.train_batch(data, loss_function=self.loss_fn)" in worker_source
     engine_source = inspect.getsource(sys.modules[FSDPEngineWithLMHead.__module__])
@@ -240,7 +237,6 @@ def test_prepass_restores_rng_state_and_module_mode(tiny_model_path, frozen_batc
     assert not torch.equal(torch.random.get_rng_state(), state)
 
 
-@pytest.mark.slow
 def test_prepass_with_dropout_model_draws_nothing_and_is_deterministic(tiny_model_path, frozen_batch, tmp_path):
     """With attention dropout > 0, verl's forward in train mode consumes RNG; the prepass must not."""
     dropout_path = str(tmp_path / "tiny_dropout")
@@ -283,7 +279,10 @@ class _RecordingEngine(BaseEngine):
 
     def __init__(self, strategy):
         self.calls = []
-        self.engine_config = SimpleNamespace(strategy=strategy)
+        # complete enough for a prepass to reach the forward, so "raises before any forward" is tested
+        self.engine_config = SimpleNamespace(strategy=strategy, infer_micro_batch_size_per_gpu=16,
+                                             infer_max_token_len_per_gpu=4096)
+        self.module = torch.nn.Linear(1, 1)
 
     is_param_offload_enabled = False
     is_optimizer_offload_enabled = False
@@ -323,19 +322,39 @@ def test_unsupported_engine_raises_before_any_forward(frozen_batch, strategy):
 # prepass_layout through KLCovGlobalPolicyLossConfig
 
 
+_MICRO_BATCH_KEYS = ("use_dynamic_bsz", "micro_batch_size_per_gpu", "max_token_len_per_gpu", "calculate_entropy")
+
+
 def _kl_cov_global_update(engine, batch, loss_function):
-    """One train_batch; returns (masks, micro-batch keys of every prepass forward, parameters after)."""
-    results, prepass_keys = [], []
-    real_infer = engine.infer_batch
+    """One train_batch; returns (masks, micro-batch keys of every prepass forward, parameters after).
+
+    Also checks that nothing of the prepass leaks into the training step: its forward-backward sees
+    the batch's own micro-batch keys, and the mask field is gone from the batch afterwards.
+    """
+    results, prepass_keys, training_keys = [], [], []
+    real_infer, real_forward_backward = engine.infer_batch, engine.forward_backward_batch
+
+    def keys_of(data):
+        return {k: tu.get_non_tensor_data(data, k, None) for k in _MICRO_BATCH_KEYS}
 
     def recording_infer(data, loss_function=None):
-        prepass_keys.append({k: tu.get_non_tensor_data(data, k, None) for k in (
-            "use_dynamic_bsz", "micro_batch_size_per_gpu", "max_token_len_per_gpu")})
+        prepass_keys.append(keys_of(data))
         return real_infer(data, loss_function=loss_function)
 
-    engine.infer_batch = recording_infer
-    with hook.observe_selections(lambda _engine, result: results.append(result)), engine.train_mode():
-        engine.train_batch(batch.copy(), loss_function=loss_function)
+    def recording_forward_backward(data, loss_function, forward_only=False):
+        if not forward_only:
+            training_keys.append(keys_of(data))
+        return real_forward_backward(data, loss_function, forward_only=forward_only)
+
+    engine.infer_batch, engine.forward_backward_batch = recording_infer, recording_forward_backward
+    data = batch.copy()
+    try:
+        with hook.observe_selections(lambda _engine, result: results.append(result)), engine.train_mode():
+            engine.train_batch(data, loss_function=loss_function)
+    finally:
+        engine.infer_batch, engine.forward_backward_batch = real_infer, real_forward_backward
+    assert training_keys in ([], [keys_of(batch)])
+    assert MASK_KEY not in data.keys()
     return [r.selection.mask for r in results], prepass_keys, _cpu.engine_params_flat(engine)
 
 

@@ -38,6 +38,7 @@ def test_train_mini_batch_runs_one_prepass_per_optimizer_step_on_its_rows_and_pa
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
 
+    # lr/clip larger than build_fsdp_engine's defaults so that log-probs move visibly between steps
     worker = build_training_worker(tiny_model_path, lr=0.1, clip_grad=1.0, micro_batch_size_per_gpu=8)
     actor_config = _tiny.make_actor_config(
         loss_mode="kl_cov_global", kl_cov_ratio=RATIO, ppo_kl_coef=1.0, ppo_mini_batch_size=MINI_BATCH,
@@ -70,18 +71,28 @@ def test_train_mini_batch_runs_one_prepass_per_optimizer_step_on_its_rows_and_pa
         steps[-1].setdefault("prepass_log_probs", []).append(log_probs.clone())
         return log_probs
 
+    events: list[str] = []
+    real_optimizer_step = worker.engine.optimizer_step
+
+    def recording_optimizer_step():
+        events.append("optimizer_step")
+        return real_optimizer_step()
+
     def observer(engine, result):
+        events.append("prepass")
         step = steps[-1]
         step.setdefault("results", []).append(result)
         step["state"] = full_state_dict(engine)  # the parameters this optimizer step starts from
 
     monkeypatch.setattr(worker, "train_batch", recording_train_batch)
     monkeypatch.setattr(hook, "compute_prepass_log_probs", recording_compute)
+    monkeypatch.setattr(worker.engine, "optimizer_step", recording_optimizer_step)
     with hook.observe_selections(observer):
         output = worker.train_mini_batch(batch)
 
     # -- one prepass per optimizer step -------------------------------------------------------------
     assert len(steps) == EPOCHS * BATCH // MINI_BATCH == 4
+    assert events == ["prepass", "optimizer_step"] * 4
     for step in steps:
         assert len(step["results"]) == 1 and len(step["prepass_log_probs"]) == 1
 
