@@ -77,7 +77,7 @@ def install_hook() -> None:
     if getattr(current, _ORIGINAL_ATTR, None) is not None:
         return
     params = list(inspect.signature(current).parameters)
-    if params[:3] != ["self", "data", "loss_function"]:
+    if params != ["self", "data", "loss_function"]:
         raise RuntimeError(
             f"verl_klcov_global targets verl {TARGET_VERL_VERSION}: BaseEngine.train_batch(self, data, "
             f"loss_function) was expected, found parameters {params}. Pin verl==0.9.1 or update the plugin."
