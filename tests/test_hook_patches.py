@@ -396,3 +396,41 @@ def test_infer_layout_without_inference_micro_batch_setting_raises(tiny_model_pa
         engine, batch, loss_fn("kl_cov_global", kl_cov_ratio=RATIO, prepass_layout="train"))
     assert len(masks) == 1 and masks[0].any() and not torch.equal(after, before)
     assert keys[0]["use_dynamic_bsz"] is dynamic
+
+
+# --- PATCH prepass_batched_logsumexp -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 50), (40, 50), (1, 50)])
+def test_batched_logsumexp_is_bit_identical_to_verls_loop_and_restored(shape):
+    import verl.utils.torch_functional as verl_F
+
+    from verl_klcov_global.hook import batched_logsumexp
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(*shape, generator=gen) * 5
+    labels = torch.randint(0, shape[-1], shape[:-1], generator=gen)
+    original = verl_F.logprobs_from_logits_v2
+    expected = original(logits, labels)
+    with torch.no_grad(), batched_logsumexp():
+        assert verl_F.logprobs_from_logits_v2 is not original
+        got = verl_F.logprobs_from_logits(logits, labels)  # the public entry reaches the patched v2
+    assert verl_F.logprobs_from_logits_v2 is original
+    assert torch.equal(got, expected)
+
+
+def test_batched_logsumexp_leaves_grad_and_bf16_to_verl(monkeypatch):
+    import verl.utils.torch_functional as verl_F
+
+    from verl_klcov_global.hook import batched_logsumexp
+
+    calls = []
+    original = verl_F.logprobs_from_logits_v2
+    monkeypatch.setattr(verl_F, "logprobs_from_logits_v2", lambda logits, labels: calls.append(logits.dtype) or original(logits, labels))
+    logits, labels = torch.randn(4, 9), torch.randint(0, 9, (4,))
+    with batched_logsumexp():
+        verl_F.logprobs_from_logits_v2(logits.requires_grad_(), labels)  # grad enabled: verl's loop
+        with torch.no_grad():
+            verl_F.logprobs_from_logits_v2(logits.detach().bfloat16(), labels)
+            verl_F.logprobs_from_logits_v2(logits.detach(), labels)  # fp32, no grad: ours
+    assert calls == [torch.float32, torch.bfloat16]

@@ -21,6 +21,15 @@ actor config selects ``kl_cov_global`` the wrapper, before verl's own step:
    micro-batch's loss call runs inside ``provide_kl_cov_mask(<its slice>)``.
 
 Every other loss mode runs verl's ``train_batch`` untouched.
+
+PATCH ``prepass_batched_logsumexp`` (prepass only, inside :func:`compute_prepass_log_probs`):
+swaps ``verl.utils.torch_functional.logprobs_from_logits_v2`` (verl 0.9.1 ~173, the
+path ``logprobs_from_logits`` takes without flash-attn / NPU kernels, e.g. on CPU) for
+a version that calls ``torch.logsumexp`` once per chunk of rows instead of once per
+row, while the no-grad prepass runs; restored afterwards. verl loops per row to bound
+peak memory under autograd; without grad a chunk of ``_LOGSUMEXP_CHUNK_ELEMENTS``
+logits bounds it the same way. On CPU the results are bit-identical to verl's loop
+(tests/test_hook_patches.py); bf16/fp16 logits keep verl's own path.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ TARGET_VERL_VERSION = "0.9.1"
 SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
 _ORIGINAL_ATTR = "__verl_klcov_global_original__"
 _SELECTION_OBSERVERS: list[Callable[[BaseEngine, "PrepassResult"], None]] = []
+_LOGSUMEXP_CHUNK_ELEMENTS = 1 << 24  # logits per logsumexp call in the prepass (64 MiB in fp32)
 
 
 class UnsupportedEngineError(RuntimeError):
@@ -240,13 +250,41 @@ def compute_prepass_log_probs(engine: BaseEngine, data: TensorDict, layout: str)
     )
     module = engine.module
     was_training = module.training
-    with preserved_rng_states():
+    with preserved_rng_states(), batched_logsumexp():
         module.eval()
         try:
             output = engine.infer_batch(prepass_data, loss_function=None)
         finally:
             module.train(was_training)
     return no_padding_2_padding(output["model_output"]["log_probs"], prepass_data)
+
+
+@contextlib.contextmanager
+def batched_logsumexp() -> Iterator[None]:
+    """PATCH ``prepass_batched_logsumexp``: no-grad float32/64 log-probs with one logsumexp per chunk of rows."""
+    import verl.utils.torch_functional as verl_F
+
+    original = verl_F.logprobs_from_logits_v2
+    if list(inspect.signature(original).parameters) != ["logits", "labels"]:
+        raise RuntimeError(
+            f"verl_klcov_global targets verl {TARGET_VERL_VERSION}: logprobs_from_logits_v2(logits, labels) "
+            "was expected. Pin verl==0.9.1 or update the plugin."
+        )
+
+    def logprobs_from_logits_chunked(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        exact_dtype = logits.dtype in (torch.float32, torch.float64)  # verl's bf16/fp16 path stays untouched
+        if torch.is_grad_enabled() or not exact_dtype or logits.dim() < 2 or not logits.shape[0]:
+            return original(logits, labels)
+        logits_labels = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
+        rows = max(1, _LOGSUMEXP_CHUNK_ELEMENTS // max(1, logits[0].numel()))
+        logsumexp_values = torch.cat([torch.logsumexp(chunk, dim=-1) for chunk in logits.split(rows)])
+        return logits_labels - logsumexp_values
+
+    verl_F.logprobs_from_logits_v2 = logprobs_from_logits_chunked
+    try:
+        yield
+    finally:
+        verl_F.logprobs_from_logits_v2 = original
 
 
 @contextlib.contextmanager

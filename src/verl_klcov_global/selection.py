@@ -134,34 +134,58 @@ def _fixed_point_exponent(max_abs: torch.Tensor, token_bound: torch.Tensor) -> t
     return torch.floor(_FIXED_POINT_BITS - torch.log2(bound))
 
 
-def _deterministic_means(
-    advantages: torch.Tensor, log_probs: torch.Tensor, valid: torch.Tensor, in_mask: torch.Tensor, group, world_size
-) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """Group-wide means of A and logp over valid tokens, bit-identical for any split.
+def _masked(values: torch.Tensor, keep: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``where(keep, values, 0)`` and its largest absolute value (0 when empty), in the input's dtype.
 
-    Returns (mean_A, mean_logp) as float64 0-d tensors on the inputs' device,
-    and the group-wide counts (valid, non-finite) as Python ints.
+    ``zero`` is a 0-d tensor: ``torch.where`` with the Python scalar 0.0 takes a slow
+    path on CPU (~20x slower on 10^6 float64 tokens, torch 2.13). ``max|x|`` is taken as
+    ``max(max x, -min x)`` (exact, one pass, no temporary).
     """
-    a = torch.where(valid, advantages, 0.0)
-    lp = torch.where(valid, log_probs, 0.0)
-    n_local = valid.sum()
-    maxima = torch.stack([a.abs().max() if a.numel() else a.new_zeros(()),
-                          lp.abs().max() if lp.numel() else lp.new_zeros(()),
-                          n_local.to(torch.float64)])
+    kept = torch.where(keep, values, zero)
+    if not kept.numel():
+        return kept, zero.to(torch.float64)
+    low, high = torch.aminmax(kept)
+    return kept, torch.maximum(high, -low).to(torch.float64)
+
+
+def _deterministic_means(
+    advantages: torch.Tensor, log_probs: torch.Tensor, in_mask: torch.Tensor, group, world_size
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """Validity mask and group-wide means of A and logp over valid tokens, bit-identical for any split.
+
+    ``advantages``/``log_probs`` are floating point in any precision: masking and the
+    maxima are exact in it, so they run before the (exact) cast to float64.
+    Returns ``valid``; A and logp as new float64 tensors, zero outside ``valid`` (the
+    caller may overwrite them); mean_A and mean_logp as float64 0-d tensors on the inputs'
+    device; the group-wide counts (valid, non-finite) as Python ints. One extra host sync
+    (are the maxima finite?) lets the usual all-finite case skip the finiteness passes.
+    """
+    zero_a, zero_lp = advantages.new_zeros(()), log_probs.new_zeros(())
+    a, max_a = _masked(advantages, in_mask, zero_a)
+    lp, max_lp = _masked(log_probs, in_mask, zero_lp)
+    valid = in_mask
+    if not bool(torch.isfinite(max_a) & torch.isfinite(max_lp)):  # rare: NaN/inf under the mask
+        valid = in_mask & torch.isfinite(advantages) & torch.isfinite(log_probs)
+        a, max_a = _masked(advantages, valid, zero_a)
+        lp, max_lp = _masked(log_probs, valid, zero_lp)
+    n_in = in_mask.sum()
+    n_local = n_in if valid is in_mask else valid.sum()
+    maxima = torch.stack([max_a, max_lp, n_local.to(torch.float64)])
     _all_reduce(maxima, dist.ReduceOp.MAX, group)
     token_bound = maxima[2] * world_size
     exp_a = _fixed_point_exponent(maxima[0], token_bound)
     exp_lp = _fixed_point_exponent(maxima[1], token_bound)
-    fixed_a = torch.round(a * torch.exp2(exp_a)).to(torch.int64).sum()
-    fixed_lp = torch.round(lp * torch.exp2(exp_lp)).to(torch.int64).sum()
-    n_nonfinite = (in_mask & ~valid).sum()
+    a, lp = a.to(torch.float64), lp.to(torch.float64)
+    fixed_a = (a * torch.exp2(exp_a)).round_().sum(dtype=torch.int64)
+    fixed_lp = (lp * torch.exp2(exp_lp)).round_().sum(dtype=torch.int64)
+    n_nonfinite = n_in - n_local
     sums = torch.stack([n_local.to(torch.int64), n_nonfinite.to(torch.int64), fixed_a, fixed_lp])
     _all_reduce(sums, dist.ReduceOp.SUM, group)
     num_valid, num_nonfinite = (int(x) for x in sums[:2].tolist())  # the one host sync we need: k sizes topk
     denom = max(num_valid, 1)
     mean_a = sums[2].to(torch.float64) * torch.exp2(-exp_a) / denom
     mean_lp = sums[3].to(torch.float64) * torch.exp2(-exp_lp) / denom
-    return mean_a, mean_lp, num_valid, num_nonfinite
+    return valid, a, lp, mean_a, mean_lp, num_valid, num_nonfinite
 
 
 def select_kl_cov_tokens(
@@ -196,12 +220,14 @@ def select_kl_cov_tokens(
             f"got {tuple(advantages.shape)}, {tuple(log_probs.shape)}, {tuple(response_mask.shape)}"
         )
     rank, world_size = _world(group)
-    a = advantages.detach().to(torch.float64)
-    lp = log_probs.detach().to(torch.float64)
+    a = advantages.detach()
+    lp = log_probs.detach()
+    a = a if a.is_floating_point() else a.to(torch.float64)
+    lp = lp if lp.is_floating_point() else lp.to(torch.float64)
     in_mask = response_mask.bool()
-    valid = in_mask & torch.isfinite(a) & torch.isfinite(lp)
 
-    mean_a, mean_lp, num_valid, num_nonfinite = _deterministic_means(a, lp, valid, in_mask, group, world_size)
+    # a, lp come back float64 and zero outside ``valid``
+    valid, a, lp, mean_a, mean_lp, num_valid, num_nonfinite = _deterministic_means(a, lp, in_mask, group, world_size)
     quota = kl_cov_quota(num_valid, ratio)
     if quota == 0:  # same decision on every rank: num_valid is global
         return KLCovSelection(
@@ -211,7 +237,7 @@ def select_kl_cov_tokens(
         )
 
     neg_inf = torch.tensor(-math.inf, dtype=torch.float64, device=a.device)
-    cov = torch.where(valid, (a - mean_a) * (lp - mean_lp), neg_inf).reshape(-1)
+    cov = a.sub_(mean_a).mul_(lp.sub_(mean_lp)).masked_fill_(~valid, neg_inf).reshape(-1)  # in place: own buffers
 
     # Each rank proposes its k largest values; the group's k-th largest is among them.
     local_k = min(quota, cov.numel())
@@ -221,14 +247,20 @@ def select_kl_cov_tokens(
     all_candidates = _all_gather(candidates, group, world_size).reshape(-1)
     threshold = torch.topk(all_candidates, quota, largest=True, sorted=False).values.min()
 
-    above = cov > threshold
-    tied = cov == threshold  # threshold is finite (k <= N), so -inf padding never ties
-    counts = _all_gather(torch.stack([above.sum(), tied.sum()]).to(torch.int64), group, world_size)
+    # Fewer than k tokens lie strictly above the k-th largest, so all of this rank's are
+    # among its candidates; ties need one pass (threshold is finite, -inf padding never ties).
+    at_least = cov >= threshold
+    n_above = (candidates > threshold).sum()
+    counts = _all_gather(torch.stack([n_above, at_least.sum() - n_above]).to(torch.int64), group, world_size)
     # Fill the remaining slots with tied tokens in (rank, row, position) order.
     remaining = quota - counts[:, 0].sum()
     ties_on_lower_ranks = counts[:rank, 1].sum()
-    take_here = (remaining - ties_on_lower_ranks).clamp(min=0, max=counts[rank, 1])
-    selected = above | (tied & (torch.cumsum(tied.to(torch.int64), 0) <= take_here))
+    take_here = int((remaining - ties_on_lower_ranks).clamp(min=0, max=counts[rank, 1]))
+    if take_here == int(counts[rank, 1]):  # all local ties (usually the one threshold token)
+        selected = at_least
+    else:
+        tied = cov == threshold
+        selected = (cov > threshold) | (tied & (torch.cumsum(tied.to(torch.int64), 0) <= take_here))
     num_selected = int(counts[:, 0].sum() + torch.minimum(remaining, counts[:, 1].sum()))
     return KLCovSelection(
         mask=selected.reshape(in_mask.shape),
