@@ -98,3 +98,24 @@ def test_channel_is_scoped_to_the_block():
         get_policy_loss_fn("kl_cov_global")(**inputs, config=actor_config("kl_cov_global"))
     with pytest.raises(KLCovMaskUnavailableError):
         get_policy_loss_fn("kl_cov_global")(**inputs, config=actor_config("kl_cov_global"))
+
+
+def test_missing_mask_error_names_why_the_hook_did_not_install(monkeypatch):
+    from verl_klcov_global import loss
+
+    monkeypatch.setattr(loss, "_HOOK_INSTALL_ERROR", RuntimeError("BaseEngine.train_batch moved"))
+    with pytest.raises(KLCovMaskUnavailableError, match="hook failed to install in this process.*train_batch moved"):
+        get_policy_loss_fn("kl_cov_global")(**loss_inputs(0), config=actor_config("kl_cov_global"))
+
+
+def test_plugin_install_records_a_hook_failure(monkeypatch):
+    from verl_klcov_global import hook, loss, plugin
+
+    def broken():
+        raise RuntimeError("verl changed")
+
+    monkeypatch.setattr(hook, "install_hook", broken)
+    monkeypatch.setattr(loss, "_HOOK_INSTALL_ERROR", None)
+    with pytest.raises(RuntimeError, match="verl changed"):
+        plugin.install()
+    assert "verl changed" in repr(loss._HOOK_INSTALL_ERROR)

@@ -107,7 +107,14 @@ class KLCovGlobalPolicyLossConfig(PolicyLossConfig):
         parent_post_init = getattr(super(), "__post_init__", None)
         if parent_post_init is not None:
             parent_post_init()
-        if self.loss_mode == LOSS_MODE:
-            validate_kl_cov_ratio(self.kl_cov_ratio)
-            validate_ppo_kl_coef(self.ppo_kl_coef)
+        if self.loss_mode != LOSS_MODE:
+            # verl's ppo_trainer.yaml sets loss_mode "vanilla": selecting this class through
+            # `policy_loss._target_` alone would silently train without kl_cov_global.
+            raise ValueError(
+                f"{type(self).__name__} carries the knobs of loss_mode={LOSS_MODE}, but loss_mode is "
+                f"{self.loss_mode!r}: set actor_rollout_ref.actor.policy_loss.loss_mode={LOSS_MODE}, or drop "
+                "actor_rollout_ref.actor.policy_loss._target_ (verl's PolicyLossConfig) for other loss modes"
+            )
+        validate_kl_cov_ratio(self.kl_cov_ratio)
+        validate_ppo_kl_coef(self.ppo_kl_coef)
         validate_prepass_layout(self.prepass_layout)

@@ -53,6 +53,15 @@ _NO_MASK_MESSAGE = (
 )
 
 
+_HOOK_INSTALL_ERROR: Optional[BaseException] = None
+
+
+def record_hook_install_error(error: BaseException) -> None:
+    """Remember why the prepass hook failed to install in this process (shown by the loss's error)."""
+    global _HOOK_INSTALL_ERROR
+    _HOOK_INSTALL_ERROR = error
+
+
 @contextlib.contextmanager
 def provide_kl_cov_mask(mask: torch.Tensor, figures: Optional[dict[str, float]] = None) -> Iterator[None]:
     """Make ``mask`` the selection seen by ``kl_cov_global`` loss calls inside this block.
@@ -73,7 +82,8 @@ def provide_kl_cov_mask(mask: torch.Tensor, figures: Optional[dict[str, float]] 
 def _current_mask(response_mask: torch.Tensor) -> _ProvidedMask:
     provided = _CURRENT_MASK.get()
     if provided is None:
-        raise KLCovMaskUnavailableError(_NO_MASK_MESSAGE)
+        cause = "" if _HOOK_INSTALL_ERROR is None else f" The hook failed to install in this process: {_HOOK_INSTALL_ERROR!r}."
+        raise KLCovMaskUnavailableError(_NO_MASK_MESSAGE + cause)
     mask = provided.mask
     if mask.shape != response_mask.shape:
         raise ValueError(

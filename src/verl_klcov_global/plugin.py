@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-from . import hook
+from . import hook, loss
 from .config import LOSS_MODE
 from .loss import compute_policy_loss_kl_cov_global
 
@@ -16,7 +16,12 @@ from .loss import compute_policy_loss_kl_cov_global
 def install() -> None:
     """Register ``kl_cov_global`` in verl's policy-loss registry and install the prepass hook (idempotent)."""
     POLICY_LOSS_REGISTRY[LOSS_MODE] = compute_policy_loss_kl_cov_global
-    hook.install_hook()
+    try:
+        hook.install_hook()
+    except Exception as error:
+        # verl logs entry-point failures at DEBUG only: keep the cause for the loss's error message.
+        loss.record_hook_install_error(error)
+        raise
 
 
 install()

@@ -1,0 +1,128 @@
+"""End to end: ``python -m verl.trainer.main_ppo``, 2 GRPO steps on CPU with ``loss_mode=kl_cov_global``.
+
+verl 0.9.1 runs as users run it -- Hydra config, its own Ray cluster, TaskRunner, agent loop,
+reward loop, FSDP2 actor workers -- with three test-only additions from ``tests/trainer_support``,
+loaded in every Ray process through ``VERL_USE_EXTERNAL_MODULES``: the CPU platform, a
+random-token rollout (``rollout.name=cpu_random``) and a recorder of optimizer steps. Fake Ray GPUs
+give 2 data-parallel actor ranks.
+
+The plugin is loaded **only through its entry point**: nothing in the command line or the
+environment names it, and the CPU support does not import it (checked by
+``test_cpu_support_does_not_load_the_plugin``). Two runs:
+
+* ``v1``: the default (v1) trainer on verl's own ``ppo_trainer`` config with
+  ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global`` (plain ``PolicyLossConfig``);
+* ``legacy``: ``trainer.use_v1=False`` on ``configs/kl_cov_global.yaml``, the ready config that
+  docs/LOADING.md documents (its ``_target_`` imports the plugin too, so this run is not the
+  entry-point proof; it is the proof that the documented config trains).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from .trainer_support import step_recorder
+from .trainer_support.e2e import main_ppo_argv, write_dataset
+from .trainer_support.env import CPU_PLUGIN_MODULE, REPO_ROOT, subprocess_env
+
+WORKERS = 2                          # FSDP ranks (fake GPUs)
+PROMPTS, N = 4, 4                    # prompts per step x responses per prompt = 16 sequences
+MINI_BATCH_PROMPTS, EPOCHS = 2, 2    # 8 sequences per optimizer step, 2 PPO epochs
+STEPS = 2                            # trainer steps
+OPTIMIZER_STEPS_PER_STEP = EPOCHS * PROMPTS // MINI_BATCH_PROMPTS
+ROWS_PER_RANK = MINI_BATCH_PROMPTS * N // WORKERS
+RATIO = 0.05
+KL_COV_METRICS = ("quota", "selected", "valid_tokens", "nonfinite_tokens", "cov_threshold",
+                  "selected_in_micro_batch", "prepass_seconds", "selection_seconds")
+_STEP_LINE = re.compile(r"step:(\d+) - (.*)$")
+_NUMBER = re.compile(r"^(?:np\.float\d+\()?([^()]+?)\)?$")  # 4.5, or np.float64(4.5) (legacy trainer)
+
+
+def _logged_steps(log: str) -> dict[int, dict[str, float]]:
+    """The console logger's ``step:N - key:value - ...`` lines, as {N: {key: value}}."""
+    steps = {}
+    for line in log.splitlines():
+        match = _STEP_LINE.search(line)
+        if match:
+            metrics = {}
+            for item in match.group(2).split(" - "):
+                key, _, value = item.rpartition(":")
+                try:
+                    metrics[key] = float(_NUMBER.match(value.strip()).group(1))
+                except (AttributeError, ValueError):
+                    pass
+            steps[int(match.group(1))] = metrics
+    return steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_v1, plugin_config", [(True, False), (False, True)], ids=["v1", "legacy"])
+def test_main_ppo_grpo_on_cpu_runs_kl_cov_global_prepass_per_minibatch(tmp_path, tiny_model_path, use_v1,
+                                                                       plugin_config):
+    train_file = write_dataset(str(tmp_path / "train.parquet"), n_prompts=2 * PROMPTS)
+    record_dir = tmp_path / "steps"
+    record_dir.mkdir()
+    env = subprocess_env(**{step_recorder.RECORD_DIR_ENV: str(record_dir)})
+    argv = main_ppo_argv(
+        model_path=tiny_model_path, train_file=train_file, out_dir=str(tmp_path), use_v1=use_v1,
+        plugin_config=plugin_config, n_workers=WORKERS, prompts_per_step=PROMPTS, responses_per_prompt=N,
+        mini_batch_prompts=MINI_BATCH_PROMPTS, ppo_epochs=EPOCHS, steps=STEPS, kl_cov_ratio=RATIO,
+    )
+    # Only the entry point may load the plugin: no module list or external_lib names it.
+    assert env["VERL_USE_EXTERNAL_MODULES"] == CPU_PLUGIN_MODULE
+    assert not any("external_lib" in arg or "verl_klcov_global" in arg for arg in argv if not plugin_config)
+
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=600)
+    (tmp_path / "main_ppo.log").write_text(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+
+    # -- the steps finished and their kl_cov metrics are in the trainer's log -----------------------
+    logged = _logged_steps(proc.stdout)
+    assert sorted(logged) == list(range(1, STEPS + 1)), proc.stdout[-3000:]
+    for step, metrics in logged.items():
+        for name in KL_COV_METRICS:
+            assert f"actor/kl_cov/{name}" in metrics, (step, name, sorted(metrics))
+        assert metrics["actor/kl_cov/quota"] >= 1 and metrics["actor/kl_cov/nonfinite_tokens"] == 0
+
+    # -- inside the workers: one prepass per optimizer step (minibatch x epoch), on every rank ------
+    records = step_recorder.read(str(record_dir))
+    assert sorted(records) == list(range(WORKERS)), records
+    for rank, rank_records in records.items():
+        assert len(rank_records) == STEPS * OPTIMIZER_STEPS_PER_STEP, (rank, rank_records)
+        assert all(r["rows"] == ROWS_PER_RANK for r in rank_records), rank_records
+        assert all(r["mask_tokens"] is not None for r in rank_records), f"rank {rank}: a step without prepass mask"
+    assert len({r["pid"] for rank_records in records.values() for r in rank_records}) == WORKERS
+
+    # the ranks' mask slices add up to the global quota each optimizer step; the trainer logs its mean
+    for step in range(STEPS):
+        window = slice(step * OPTIMIZER_STEPS_PER_STEP, (step + 1) * OPTIMIZER_STEPS_PER_STEP)
+        quotas = [sum(r["mask_tokens"] for r in per_step)
+                  for per_step in zip(*(rank_records[window] for rank_records in records.values()))]
+        assert all(q >= 1 for q in quotas)
+        assert logged[step + 1]["actor/kl_cov/quota"] == pytest.approx(sum(quotas) / len(quotas))
+    print(f"\n[{'v1' if use_v1 else 'legacy'}] logged quota per step "
+          f"{[logged[s]['actor/kl_cov/quota'] for s in sorted(logged)]}")
+
+
+def test_cpu_support_does_not_load_the_plugin():
+    """The e2e run's only path to the plugin is its entry point: with entry points off, nothing loads it."""
+    code = (
+        "import sys, verl\n"
+        "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY\n"
+        "from verl.workers.rollout.replica import RolloutReplicaRegistry\n"
+        "from verl.utils.device import get_device_name\n"
+        "assert get_device_name() == 'cpu' and 'cpu_random' in RolloutReplicaRegistry._registry\n"
+        "assert 'kl_cov_global' not in POLICY_LOSS_REGISTRY\n"
+        "assert not [m for m in sys.modules if m.startswith('verl_klcov_global')], 'plugin imported'\n"
+        "print('ok')\n"
+    )
+    env = subprocess_env(VERL_USE_EXTERNAL_PLUGINS="none")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("ok"), proc.stdout[-3000:]
