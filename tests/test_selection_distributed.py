@@ -80,5 +80,22 @@ def test_two_ranks_give_the_single_process_mask_bit_for_bit():
         for result in rank_results:
             assert result["equal"], result["name"]
             assert result["figures_equal"], result["name"]
-            # 3 maxima + 4 sums + k candidates + 2 counts per rank: O(k), not O(valid tokens)
-            assert result["numbers_sent"] <= 3 + 4 + result["quota"] + 2, result
+            # 5 maxima + 4 sums + k candidates + 2 counts per rank: O(k), not O(valid tokens)
+            assert result["numbers_sent"] <= 5 + 4 + result["quota"] + 2, result
+
+
+def _disagreeing_ratios(rank, world_size, port):
+    init_process_group_cpu(rank, world_size, port)
+    a, lp, m = random_minibatch(3, batch=4, length=8)
+    try:
+        select_kl_cov_tokens(a, lp, m, 0.1 if rank == 0 else 0.2, group=dist.group.WORLD)
+    except ValueError as error:
+        return str(error)
+    finally:
+        dist.destroy_process_group()
+    return None
+
+
+def test_ranks_disagreeing_on_the_ratio_all_raise_instead_of_hanging():
+    messages = spawn(_disagreeing_ratios, 2)
+    assert all(m is not None and "disagree on kl_cov_ratio" in m for m in messages), messages

@@ -25,9 +25,11 @@ Determinism across splits: the means come from sums in 64-bit fixed point
 is split over ranks; every other quantity is per token. Hence the mask is a
 pure function of the concatenated minibatch.
 
-Communication per call (``group`` with ``W`` ranks): one all-reduce(MAX) of 3
-scalars, one all-reduce(SUM) of 4 integers, one all-gather of ``k`` float64
-candidate values per rank and one all-gather of 2 integers per rank:
+Communication per call (``group`` with ``W`` ranks): one all-reduce(MAX) of 5
+scalars (two maxima, a token count, and the ratio and its negative, so that ranks
+that disagree on the ratio all raise instead of hanging), one all-reduce(SUM) of 4
+integers, one all-gather of ``k`` float64 candidate values per rank and one
+all-gather of 2 integers per rank:
 ``O(k * W)`` numbers, never the valid tokens themselves. Every rank takes part
 in every collective, also a rank without valid tokens.
 """
@@ -149,7 +151,7 @@ def _masked(values: torch.Tensor, keep: torch.Tensor, zero: torch.Tensor) -> tup
 
 
 def _deterministic_means(
-    advantages: torch.Tensor, log_probs: torch.Tensor, in_mask: torch.Tensor, group, world_size
+    advantages: torch.Tensor, log_probs: torch.Tensor, in_mask: torch.Tensor, ratio: float, group, world_size
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
     """Validity mask and group-wide means of A and logp over valid tokens, bit-identical for any split.
 
@@ -159,6 +161,10 @@ def _deterministic_means(
     caller may overwrite them); mean_A and mean_logp as float64 0-d tensors on the inputs'
     device; the group-wide counts (valid, non-finite) as Python ints. One extra host sync
     (are the maxima finite?) lets the usual all-finite case skip the finiteness passes.
+
+    The same all-reduce carries ``ratio`` and ``-ratio``: if the ranks disagree on the
+    ratio (hence on k, the size of the next all-gather) every rank raises the same
+    ValueError instead of hanging in that collective.
     """
     zero_a, zero_lp = advantages.new_zeros(()), log_probs.new_zeros(())
     a, max_a = _masked(advantages, in_mask, zero_a)
@@ -170,7 +176,8 @@ def _deterministic_means(
         lp, max_lp = _masked(log_probs, valid, zero_lp)
     n_in = in_mask.sum()
     n_local = n_in if valid is in_mask else valid.sum()
-    maxima = torch.stack([max_a, max_lp, n_local.to(torch.float64)])
+    ratio_pair = torch.tensor([ratio, -ratio], dtype=torch.float64, device=max_a.device)
+    maxima = torch.cat([torch.stack([max_a, max_lp, n_local.to(torch.float64)]), ratio_pair])
     _all_reduce(maxima, dist.ReduceOp.MAX, group)
     token_bound = maxima[2] * world_size
     exp_a = _fixed_point_exponent(maxima[0], token_bound)
@@ -181,7 +188,13 @@ def _deterministic_means(
     n_nonfinite = n_in - n_local
     sums = torch.stack([n_local.to(torch.int64), n_nonfinite.to(torch.int64), fixed_a, fixed_lp])
     _all_reduce(sums, dist.ReduceOp.SUM, group)
-    num_valid, num_nonfinite = (int(x) for x in sums[:2].tolist())  # the one host sync we need: k sizes topk
+    num_valid, num_nonfinite = (int(x) for x in sums[:2].tolist())  # the host sync we need: k sizes topk
+    highest_ratio, minus_lowest_ratio = maxima[3:].tolist()
+    if highest_ratio != -minus_lowest_ratio:
+        raise ValueError(
+            f"ranks of the data-parallel group disagree on kl_cov_ratio (from {-minus_lowest_ratio} to "
+            f"{highest_ratio}): every rank must use the same actor_rollout_ref.actor.policy_loss.kl_cov_ratio"
+        )
     denom = max(num_valid, 1)
     mean_a = sums[2].to(torch.float64) * torch.exp2(-exp_a) / denom
     mean_lp = sums[3].to(torch.float64) * torch.exp2(-exp_lp) / denom
@@ -227,7 +240,7 @@ def select_kl_cov_tokens(
     in_mask = response_mask.bool()
 
     # a, lp come back float64 and zero outside ``valid``
-    valid, a, lp, mean_a, mean_lp, num_valid, num_nonfinite = _deterministic_means(a, lp, in_mask, group, world_size)
+    valid, a, lp, mean_a, mean_lp, num_valid, num_nonfinite = _deterministic_means(a, lp, in_mask, ratio, group, world_size)
     quota = kl_cov_quota(num_valid, ratio)
     if quota == 0:  # same decision on every rank: num_valid is global
         return KLCovSelection(
