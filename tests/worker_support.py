@@ -22,7 +22,6 @@ from tensordict import TensorDict
 
 from verl_klcov_global import _cpu
 
-_FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 
 
 def build_training_worker(
@@ -48,44 +47,17 @@ def build_training_worker(
     _cpu.install_cpu_platform()
     _cpu.init_process_group_cpu()
 
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
+    from verl.workers.config import TrainingWorkerConfig
     from verl.workers.engine_workers import TrainingWorker
 
     torch.manual_seed(seed)
-    model_config = HFModelConfig(
-        path=model_path, override_config={"attn_implementation": "sdpa"}, use_remove_padding=False
-    )
-    engine_config = FSDPEngineConfig(
-        strategy=strategy,
-        model_dtype="fp32",
-        mixed_precision=dict(_FP32),
-        use_dynamic_bsz=use_dynamic_bsz,
-        micro_batch_size_per_gpu=micro_batch_size_per_gpu,
-        max_token_len_per_gpu=max_token_len_per_gpu,
+    configs = _cpu.fsdp_engine_configs(
+        model_path, strategy=strategy, lr=lr, clip_grad=clip_grad, use_dynamic_bsz=use_dynamic_bsz,
+        micro_batch_size_per_gpu=micro_batch_size_per_gpu, max_token_len_per_gpu=max_token_len_per_gpu,
         infer_micro_batch_size_per_gpu=infer_micro_batch_size_per_gpu,
-        infer_max_token_len_per_gpu=infer_max_token_len_per_gpu,
-        use_remove_padding=False,
-        use_torch_compile=False,
-        seed=seed,
+        infer_max_token_len_per_gpu=infer_max_token_len_per_gpu, seed=seed,
     )
-    optimizer_config = FSDPOptimizerConfig(
-        optimizer="SGD",
-        optimizer_impl="torch.optim",
-        lr=lr,
-        clip_grad=clip_grad,
-        weight_decay=0.0,
-        lr_scheduler_type="constant",
-        lr_warmup_steps=0,
-        lr_warmup_steps_ratio=0.0,
-    )
-    config = TrainingWorkerConfig(
-        model_type="language_model",
-        model_config=model_config,
-        engine_config=engine_config,
-        optimizer_config=optimizer_config,
-        checkpoint_config=CheckpointConfig(),
-    )
+    config = TrainingWorkerConfig(model_type="language_model", **configs)
     worker = TrainingWorker(config=config)
     # @register only attaches dispatch metadata (and a TransferQueue bridge that is a pass-through
     # for a TensorDict/plain argument): the decorated methods run as plain methods in-process.

@@ -418,6 +418,66 @@ _DTYPES = {
 }
 
 
+def fsdp_engine_configs(
+    model_path: str,
+    *,
+    strategy: str = "fsdp",
+    dtype: str = "fp32",
+    lr: float = 0.02,
+    clip_grad: float = 0.05,
+    weight_decay: float = 0.0,
+    use_remove_padding: bool = False,
+    use_dynamic_bsz: bool = False,
+    micro_batch_size_per_gpu: Optional[int] = 8,
+    max_token_len_per_gpu: Optional[int] = 2048,
+    infer_micro_batch_size_per_gpu: Optional[int] = 16,
+    infer_max_token_len_per_gpu: Optional[int] = 4096,
+    gradient_checkpointing: bool = False,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """verl's model/engine/optimizer/checkpoint configs of :func:`build_fsdp_engine`.
+
+    Keys ``model_config``, ``engine_config``, ``optimizer_config``, ``checkpoint_config``:
+    what ``EngineRegistry.new`` and verl's ``TrainingWorkerConfig`` take. sdpa attention,
+    plain ``torch.optim.SGD`` with constant LR (no warmup), fp32 master weights.
+    """
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+
+    model_config = HFModelConfig(
+        path=model_path,
+        override_config={"attn_implementation": "sdpa"},
+        use_remove_padding=use_remove_padding,
+        enable_gradient_checkpointing=gradient_checkpointing,
+    )
+    model_config.model_type = "language_model"
+    engine_config = FSDPEngineConfig(
+        strategy=strategy,
+        model_dtype="fp32",
+        mixed_precision=dict(_DTYPES[dtype]),
+        use_dynamic_bsz=use_dynamic_bsz,
+        micro_batch_size_per_gpu=micro_batch_size_per_gpu,
+        max_token_len_per_gpu=max_token_len_per_gpu,
+        infer_micro_batch_size_per_gpu=infer_micro_batch_size_per_gpu,
+        infer_max_token_len_per_gpu=infer_max_token_len_per_gpu,
+        use_remove_padding=use_remove_padding,
+        use_torch_compile=False,
+        seed=seed,
+    )
+    optimizer_config = FSDPOptimizerConfig(
+        optimizer="SGD",
+        optimizer_impl="torch.optim",
+        lr=lr,
+        clip_grad=clip_grad,
+        weight_decay=weight_decay,
+        lr_scheduler_type="constant",
+        lr_warmup_steps=0,
+        lr_warmup_steps_ratio=0.0,
+    )
+    return dict(model_config=model_config, engine_config=engine_config, optimizer_config=optimizer_config,
+                checkpoint_config=CheckpointConfig())
+
+
 def build_fsdp_engine(
     model_path: str,
     *,
@@ -470,49 +530,18 @@ def build_fsdp_engine(
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
 
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.base import EngineRegistry
 
     torch.manual_seed(seed)
-    model_config = HFModelConfig(
-        path=model_path,
-        override_config={"attn_implementation": "sdpa"},
-        use_remove_padding=use_remove_padding,
-        enable_gradient_checkpointing=gradient_checkpointing,
-    )
-    model_config.model_type = "language_model"
-    engine_config = FSDPEngineConfig(
-        strategy=strategy,
-        model_dtype="fp32",
-        mixed_precision=dict(_DTYPES[dtype]),
-        use_dynamic_bsz=use_dynamic_bsz,
-        micro_batch_size_per_gpu=micro_batch_size_per_gpu,
-        max_token_len_per_gpu=max_token_len_per_gpu,
+    configs = fsdp_engine_configs(
+        model_path, strategy=strategy, dtype=dtype, lr=lr, clip_grad=clip_grad, weight_decay=weight_decay,
+        use_remove_padding=use_remove_padding, use_dynamic_bsz=use_dynamic_bsz,
+        micro_batch_size_per_gpu=micro_batch_size_per_gpu, max_token_len_per_gpu=max_token_len_per_gpu,
         infer_micro_batch_size_per_gpu=infer_micro_batch_size_per_gpu,
-        infer_max_token_len_per_gpu=infer_max_token_len_per_gpu,
-        use_remove_padding=use_remove_padding,
-        use_torch_compile=False,
+        infer_max_token_len_per_gpu=infer_max_token_len_per_gpu, gradient_checkpointing=gradient_checkpointing,
         seed=seed,
     )
-    optimizer_config = FSDPOptimizerConfig(
-        optimizer="SGD",
-        optimizer_impl="torch.optim",
-        lr=lr,
-        clip_grad=clip_grad,
-        weight_decay=weight_decay,
-        lr_scheduler_type="constant",
-        lr_warmup_steps=0,
-        lr_warmup_steps_ratio=0.0,
-    )
-    engine = EngineRegistry.new(
-        model_type="language_model",
-        backend=strategy,
-        model_config=model_config,
-        engine_config=engine_config,
-        optimizer_config=optimizer_config,
-        checkpoint_config=CheckpointConfig(),
-    )
+    engine = EngineRegistry.new(model_type="language_model", backend=strategy, **configs)
     engine.initialize()
     return engine
 
