@@ -57,8 +57,7 @@ def test_issue_7829_dynamic_micro_batches_kl_cov_varies_kl_cov_global_does_not(t
 def test_static_micro_batches_64_vs_8(tiny_model_path, strategy, packed, capsys):
     spec = EngineSpec(tiny_model_path, strategy=strategy, use_remove_padding=packed)
     ratios = []
-    blocks = BLOCKS if not packed else BLOCKS[:1]  # packed attention is quadratic in micro-batch tokens on CPU
-    for seed in blocks:
+    for seed in BLOCKS:
         batch = frozen_minibatch(spec, seed, batch_size=BATCH, prompt_len=PROMPT, response_len=RESPONSE)
         results = run_block(spec, batch, static_layouts(BATCH, 8), actor_config_for, modes=("vanilla", "kl_cov_global"))
         assert_invariant(results, ratios)
