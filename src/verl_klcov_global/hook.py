@@ -322,7 +322,12 @@ def fit_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def mask_in_layout_of(mask: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """``mask`` (batch, width) bool, laid out like ``response_mask`` (nested or padded) and in its dtype."""
+    """``mask`` (batch, width) bool, laid out like ``response_mask`` (nested or padded), in its dtype and on its device.
+
+    The prepass's mask lives where the log-probs were computed (the accelerator); the minibatch
+    TensorDict usually lives on the host until verl moves each micro-batch.
+    """
+    mask = mask.to(response_mask.device)
     if not response_mask.is_nested:
         return mask[:, : response_mask.shape[1]].to(response_mask.dtype)
     offsets = response_mask.offsets()
