@@ -1,9 +1,9 @@
 """Data-parallel exchange volume of the global selection, W = 2, vs all-gather-everything.
 
 From the algorithm (``verl_klcov_global/selection.py``), every rank sends per
-optimizer step: one all-reduce(MAX) of 5 float64, one all-reduce(SUM) of 4 int64,
+optimizer step: one all-gather of 5 float64 (per-rank stats), one all-reduce(SUM) of 2 int64,
 one all-gather of ``k`` float64 candidates and one all-gather of 2 int64:
-``8 * (5 + 4 + k + 2) = 88 + 8k`` bytes, whatever the number of valid tokens.
+``8 * (5 + 2 + k + 2) = 72 + 8k`` bytes, whatever the number of valid tokens.
 The alternative (gather every valid token's advantage and log-prob, as verl PR
 #7830 proposes) sends ``2 * 4 = 8`` bytes per valid token of the rank (float32).
 
@@ -43,7 +43,7 @@ RATIOS = (0.0002, 0.002)
 
 def formula_bytes(k: int) -> int:
     """Bytes one rank contributes to the collectives of one global selection (quota ``k``)."""
-    return 8 * (5 + 4 + k + 2)
+    return 8 * (5 + 2 + k + 2)
 
 
 def all_gather_everything_bytes(valid_on_rank: int) -> int:

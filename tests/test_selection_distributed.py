@@ -22,6 +22,12 @@ def _cases():
         a, lp, m = random_minibatch(seed, batch=10, length=12)
         ratio = [0.0002, 0.01, 0.1, 0.5, 1.0][seed % 5]
         cases.append((f"random-{seed}", a, lp, m, ratio, seed % 11))  # rank 0 holds 0..10 rows
+    for seed in range(20):  # float64 values use every mantissa bit: the fixed-point scale must not depend on W
+        a, lp, m = random_minibatch(500 + seed, batch=10, length=12, min_len=12)
+        gen = torch.Generator().manual_seed(seed)
+        a = a.double() + 1e-9 * torch.rand(a.shape, generator=gen, dtype=torch.float64)
+        lp = lp.double() - 1e-9 * torch.rand(lp.shape, generator=gen, dtype=torch.float64)
+        cases.append((f"float64-skewed-{seed}", a, lp, m, 0.1, 8 if seed % 2 else 2))
     a, lp, m = random_minibatch(99, batch=8, length=12)
     m[4:] = False  # rank 1 holds only padding
     cases.append(("rank1-only-padding", a, lp, m, 0.1, 4))
@@ -67,6 +73,9 @@ def _run_cases(rank, world_size, port):
             name=name,
             equal=torch.equal(sharded.mask, reference.mask[rows]),
             figures_equal=sharded.figures() == reference.figures() or (sharded.quota == 0 == reference.quota),
+            # bit-identical means, not just the same mask: near-ties must not be able to flip
+            means_equal=(sharded.mean_advantage, sharded.mean_log_prob)
+            == (reference.mean_advantage, reference.mean_log_prob),
             numbers_sent=counting.numbers,
             quota=sharded.quota,
         ))
@@ -80,8 +89,9 @@ def test_two_ranks_give_the_single_process_mask_bit_for_bit():
         for result in rank_results:
             assert result["equal"], result["name"]
             assert result["figures_equal"], result["name"]
-            # 5 maxima + 4 sums + k candidates + 2 counts per rank: O(k), not O(valid tokens)
-            assert result["numbers_sent"] <= 5 + 4 + result["quota"] + 2, result
+            assert result["means_equal"], result["name"]
+            # 5 per-rank stats + 2 sums + k candidates + 2 counts per rank: O(k), not O(valid tokens)
+            assert result["numbers_sent"] <= 5 + 2 + result["quota"] + 2, result
 
 
 def _disagreeing_ratios(rank, world_size, port):

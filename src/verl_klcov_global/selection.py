@@ -16,20 +16,23 @@ Semantics (upstream ``kl_cov``'s, applied once over the whole minibatch):
 * covariance ``(A - mean A) * (logp - mean logp)`` with both means over the
   ``N`` valid tokens of the whole group, in float64.
 * the ``k`` largest covariances are selected. Ties are broken by a total order
-  that does not depend on micro-batching: (rank in ``group``, row, position).
-  verl hands every data-parallel rank a contiguous shard of the minibatch, so
-  this is (global sequence index, token position).
+  that does not depend on micro-batching: (rank in ``group``, row, position),
+  i.e. sequence order in the minibatch seen as the concatenation of the ranks'
+  shards, lower ranks first.
 
-Determinism across splits: the means come from sums in 64-bit fixed point
-(integers add associatively), so they are bit-identical however the minibatch
-is split over ranks; every other quantity is per token. Hence the mask is a
-pure function of the concatenated minibatch.
+Determinism across splits: the means come from sums in 64-bit fixed point whose
+scale depends only on group-wide maxima and the group-wide ``N`` (integers add
+associatively), so they are bit-identical however the minibatch is split over
+ranks; every other quantity is per token. Hence the mask is a pure function of
+the concatenated minibatch. (Which sequences form an optimizer minibatch is
+verl's business: with several minibatches per step, minibatch i on W ranks is
+the union of each rank's i-th slice, so its contents depend on W.)
 
-Communication per call (``group`` with ``W`` ranks): one all-reduce(MAX) of 5
-scalars (two maxima, a token count, and the ratio and its negative, so that ranks
-that disagree on the ratio all raise instead of hanging), one all-reduce(SUM) of 4
-integers, one all-gather of ``k`` float64 candidate values per rank and one
-all-gather of 2 integers per rank:
+Communication per call (``group`` with ``W`` ranks): one all-gather of 5 scalars
+per rank (two maxima, two token counts and the ratio, so that ranks that disagree on
+the ratio all raise instead of hanging), one all-reduce(SUM) of 2 integers, one
+all-gather of ``k`` float64 candidate values per rank and one all-gather of 2
+integers per rank (72 + 8k bytes sent per rank):
 ``O(k * W)`` numbers, never the valid tokens themselves. Every rank takes part
 in every collective, also a rank without valid tokens.
 """
@@ -152,7 +155,7 @@ def _masked(values: torch.Tensor, keep: torch.Tensor, zero: torch.Tensor) -> tup
 
 def _deterministic_means(
     advantages: torch.Tensor, log_probs: torch.Tensor, in_mask: torch.Tensor, ratio: float, group, world_size
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
     """Validity mask and group-wide means of A and logp over valid tokens, bit-identical for any split.
 
     ``advantages``/``log_probs`` are floating point in any precision: masking and the
@@ -162,8 +165,10 @@ def _deterministic_means(
     device; the group-wide counts (valid, non-finite) as Python ints. One extra host sync
     (are the maxima finite?) lets the usual all-finite case skip the finiteness passes.
 
-    The same all-reduce carries ``ratio`` and ``-ratio``: if the ranks disagree on the
-    ratio (hence on k, the size of the next all-gather) every rank raises the same
+    Each rank's (max|A|, max|logp|, valid count, non-finite count, ratio) are all-gathered
+    first, so that the fixed-point scale depends only on the group-wide maxima and the
+    group-wide N -- never on how tokens are spread over ranks -- and so that ranks which
+    disagree on the ratio (hence on k, the size of a later all-gather) all raise the same
     ValueError instead of hanging in that collective.
     """
     zero_a, zero_lp = advantages.new_zeros(()), log_probs.new_zeros(())
@@ -176,28 +181,27 @@ def _deterministic_means(
         lp, max_lp = _masked(log_probs, valid, zero_lp)
     n_in = in_mask.sum()
     n_local = n_in if valid is in_mask else valid.sum()
-    ratio_pair = torch.tensor([ratio, -ratio], dtype=torch.float64, device=max_a.device)
-    maxima = torch.cat([torch.stack([max_a, max_lp, n_local.to(torch.float64)]), ratio_pair])
-    _all_reduce(maxima, dist.ReduceOp.MAX, group)
-    token_bound = maxima[2] * world_size
-    exp_a = _fixed_point_exponent(maxima[0], token_bound)
-    exp_lp = _fixed_point_exponent(maxima[1], token_bound)
+    local_stats = torch.stack([max_a, max_lp, n_local.to(torch.float64), (n_in - n_local).to(torch.float64),
+                               torch.tensor(ratio, dtype=torch.float64, device=max_a.device)])
+    stats = _all_gather(local_stats, group, world_size)  # (W, 5); counts are exact in float64
+    ratios = stats[:, 4].tolist()  # the host sync we need: k sizes the later collectives
+    if min(ratios) != max(ratios):
+        raise ValueError(
+            f"ranks of the data-parallel group disagree on kl_cov_ratio (from {min(ratios)} to {max(ratios)}): "
+            "every rank must use the same actor_rollout_ref.actor.policy_loss.kl_cov_ratio"
+        )
+    global_max = stats[:, :2].max(dim=0).values
+    num_valid, num_nonfinite = (int(x) for x in stats[:, 2:4].sum(dim=0).tolist())
+    token_bound = torch.tensor(float(max(num_valid, 1)), dtype=torch.float64, device=max_a.device)
+    exp_a = _fixed_point_exponent(global_max[0], token_bound)
+    exp_lp = _fixed_point_exponent(global_max[1], token_bound)
     a, lp = a.to(torch.float64), lp.to(torch.float64)
     fixed_a = (a * torch.exp2(exp_a)).round_().sum(dtype=torch.int64)
     fixed_lp = (lp * torch.exp2(exp_lp)).round_().sum(dtype=torch.int64)
-    n_nonfinite = n_in - n_local
-    sums = torch.stack([n_local.to(torch.int64), n_nonfinite.to(torch.int64), fixed_a, fixed_lp])
-    _all_reduce(sums, dist.ReduceOp.SUM, group)
-    num_valid, num_nonfinite = (int(x) for x in sums[:2].tolist())  # the host sync we need: k sizes topk
-    highest_ratio, minus_lowest_ratio = maxima[3:].tolist()
-    if highest_ratio != -minus_lowest_ratio:
-        raise ValueError(
-            f"ranks of the data-parallel group disagree on kl_cov_ratio (from {-minus_lowest_ratio} to "
-            f"{highest_ratio}): every rank must use the same actor_rollout_ref.actor.policy_loss.kl_cov_ratio"
-        )
+    sums = _all_reduce(torch.stack([fixed_a, fixed_lp]), dist.ReduceOp.SUM, group)
     denom = max(num_valid, 1)
-    mean_a = sums[2].to(torch.float64) * torch.exp2(-exp_a) / denom
-    mean_lp = sums[3].to(torch.float64) * torch.exp2(-exp_lp) / denom
+    mean_a = sums[0].to(torch.float64) * torch.exp2(-exp_a) / denom
+    mean_lp = sums[1].to(torch.float64) * torch.exp2(-exp_lp) / denom
     return valid, a, lp, mean_a, mean_lp, num_valid, num_nonfinite
 
 
