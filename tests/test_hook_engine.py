@@ -143,3 +143,13 @@ def test_two_dp_ranks_give_the_single_rank_mask_and_update(tiny_model_path, tmp_
         ratios.append(ours / control)
     with capsys.disabled():
         print(f"\n[DP 2 vs 1] kl_cov_global/control {ratios}")
+
+
+def test_static_prepass_on_a_minibatch_smaller_than_the_inference_micro_batch(tiny_model_path):
+    """12 rows per minibatch, log-prob micro-batch size 16: verl would assert; the prepass uses 12."""
+    spec = EngineSpec(tiny_model_path, infer_micro_batch_size_per_gpu=16)
+    batch = frozen_minibatch(spec, 5, batch_size=12, prompt_len=PROMPT, response_len=32, micro_batch_size_per_gpu=4)
+    outcomes = [one_update(spec, batch, actor_config_for("kl_cov_global"), layout)
+                for layout in static_layouts(12, 3)]
+    assert outcomes[0].selected_tokens == outcomes[1].selected_tokens == 1
+    assert torch.equal(outcomes[0].masks[0], outcomes[1].masks[0])

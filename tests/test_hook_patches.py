@@ -434,3 +434,10 @@ def test_batched_logsumexp_leaves_grad_and_bf16_to_verl(monkeypatch):
             verl_F.logprobs_from_logits_v2(logits.detach().bfloat16(), labels)
             verl_F.logprobs_from_logits_v2(logits.detach(), labels)  # fp32, no grad: ours
     assert calls == [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("rows, limit, expected", [(64, 16, 16), (8, 32, 8), (12, 8, 6), (10, 4, 2), (7, 16, 7), (1, 16, 1)])
+def test_static_prepass_micro_batch_size_divides_the_minibatch(rows, limit, expected):
+    from verl_klcov_global.hook import largest_divisor_at_most
+
+    assert largest_divisor_at_most(rows, limit) == expected

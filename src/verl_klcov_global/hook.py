@@ -229,7 +229,17 @@ def prepass_micro_batching(engine: BaseEngine, data: TensorDict, layout: str) ->
             "set: set actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu, or "
             "actor_rollout_ref.actor.policy_loss.prepass_layout=train"
         )
-    return {"micro_batch_size_per_gpu": engine_config.infer_micro_batch_size_per_gpu}
+    return {"micro_batch_size_per_gpu": largest_divisor_at_most(len(data), engine_config.infer_micro_batch_size_per_gpu)}
+
+
+def largest_divisor_at_most(rows: int, limit: int) -> int:
+    """The largest micro-batch size <= ``limit`` that divides ``rows``.
+
+    verl's static micro-batching asserts that the size divides the batch; verl only applies
+    the inference size to a whole compute_log_prob batch, but the prepass applies it to one
+    optimizer minibatch, which can be smaller than or not a multiple of it.
+    """
+    return max(size for size in range(1, max(1, min(rows, limit)) + 1) if rows % size == 0)
 
 
 def compute_prepass_log_probs(engine: BaseEngine, data: TensorDict, layout: str) -> torch.Tensor:
