@@ -26,8 +26,9 @@ def test_short_real_run_reports_invariance_and_writes_json(tmp_path):
     proc = run_cli("diagnose", *SMALL, "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK: kl_cov_global is INVARIANT" in proc.stdout
-    assert "[block 1/1] update 6/6: kl_cov_global / 4 micro-batches" in proc.stderr  # progress is shown
+    assert "[block 1/1] update 8/8: kl_cov_global[prepass=train] / 4 micro-batches" in proc.stderr  # progress
     report = json.loads(out.read_text())
+    assert report["modes"]["kl_cov_global[prepass=train]"]["selected_per_layout"] == [[1, 1]]
     assert report["invariant"] is True
     assert report["modes"]["kl_cov_global"]["masks_identical"] is True
     assert report["modes"]["kl_cov_global"]["selected_per_layout"] == [[1, 1]]
@@ -37,7 +38,8 @@ def test_short_real_run_reports_invariance_and_writes_json(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "/nonexistent/model"], "no such directory"),
-    (["--micro-batches", "0"], "--micro-batches must be >= 1"),
+    (["--micro-batches", "0"], "--micro-batches must be >= 2"),
+    (["--micro-batches", "1"], "--micro-batches must be >= 2"),
     (["--micro-batches", "65"], "cannot be formed from 64 sequences"),
     (["--layout", "static", "--micro-batches", "7"], "needs --micro-batches to divide"),
     (["--kl-cov-ratio", "0"], "kl_cov_ratio must be finite"),

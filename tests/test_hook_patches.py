@@ -432,8 +432,9 @@ def test_batched_logsumexp_leaves_grad_and_bf16_to_verl(monkeypatch):
         verl_F.logprobs_from_logits_v2(logits.requires_grad_(), labels)  # grad enabled: verl's loop
         with torch.no_grad():
             verl_F.logprobs_from_logits_v2(logits.detach().bfloat16(), labels)
-            verl_F.logprobs_from_logits_v2(logits.detach(), labels)  # fp32, no grad: ours
-    assert calls == [torch.float32, torch.bfloat16]
+            verl_F.logprobs_from_logits_v2(logits.detach().to("meta"), labels.to("meta"))  # not CPU: verl's
+            verl_F.logprobs_from_logits_v2(logits.detach(), labels)  # fp32 on CPU, no grad: ours
+    assert calls == [torch.float32, torch.bfloat16, torch.float32]
 
 
 @pytest.mark.parametrize("rows, limit, expected", [(64, 16, 16), (8, 32, 8), (12, 8, 6), (10, 4, 2), (7, 16, 7), (1, 16, 1)])
@@ -441,3 +442,17 @@ def test_static_prepass_micro_batch_size_divides_the_minibatch(rows, limit, expe
     from verl_klcov_global.hook import largest_divisor_at_most
 
     assert largest_divisor_at_most(rows, limit) == expected
+
+
+def test_loss_wrapper_passes_distillation_logits_processor_calls_through():
+    """verl calls the loss function as ``logits_processor_func(student_logits=..., data=...)`` for top-k distillation."""
+    from verl_klcov_global.hook import _loss_with_mask_slice
+
+    seen = []
+
+    def loss_function(**kwargs):
+        seen.append(sorted(kwargs))
+        return "processed"
+
+    assert _loss_with_mask_slice(loss_function, {}, student_logits=torch.zeros(1), data=None) == "processed"
+    assert seen == [["data", "student_logits"]]

@@ -106,6 +106,7 @@ def test_nonfinite_tokens_are_not_selected_and_are_counted():
 def test_no_valid_tokens_gives_an_empty_selection():
     result = select_kl_cov_tokens(torch.zeros(3, 4), torch.zeros(3, 4), torch.zeros(3, 4, dtype=torch.bool), 0.5)
     assert result.quota == 0 and result.num_selected == 0 and not result.mask.any()
+    assert "cov_threshold" not in result.figures()  # undefined: no NaN for the logger
     empty = select_kl_cov_tokens(torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(0, 4), 0.5)
     assert empty.mask.shape == (0, 4)
 

@@ -72,8 +72,10 @@ def validate(options: DiagnoseOptions) -> DiagnoseOptions:
     for name in ("batch_size", "prompt_len", "response_len"):
         if getattr(options, name) < 1:
             raise DiagnoseError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
-    if options.micro_batches < 1:
-        raise DiagnoseError(f"--micro-batches must be >= 1, got {options.micro_batches}")
+    if options.micro_batches < 2:
+        raise DiagnoseError(
+            f"--micro-batches must be >= 2 (it is compared with 1 micro-batch), got {options.micro_batches}"
+        )
     if options.micro_batches > options.batch_size:
         raise DiagnoseError(
             f"--micro-batches {options.micro_batches} cannot be formed from {options.batch_size} sequences: "
@@ -125,7 +127,9 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress) -> dict:
     import torch
 
     from . import _tiny
-    from .experiment import EngineSpec, dynamic_layouts, frozen_minibatch, run_block, static_layouts
+    from .config import KLCovGlobalPolicyLossConfig
+    from .experiment import MODES, TRAIN_LAYOUT_MODE, EngineSpec, dynamic_layouts, frozen_minibatch, run_block
+    from .experiment import static_layouts
 
     options = validate(options)
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -134,17 +138,26 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress) -> dict:
         with quiet_verl():
             model_path = options.model or _tiny.build_tiny_model(os.path.join(scratch, "tiny"), seed=options.seed)
         vocab_size = _vocab_size(model_path)
-        spec = EngineSpec(model_path, strategy=options.strategy, dtype=options.dtype, device=device)
         seq_len = options.prompt_len + options.response_len
+        spec = EngineSpec(model_path, strategy=options.strategy, dtype=options.dtype, device=device,
+                          infer_max_token_len_per_gpu=max(4096, seq_len))
         if options.layout == "dynamic":
             layouts = dynamic_layouts(options.batch_size, seq_len, options.micro_batches)
         else:
             layouts = static_layouts(options.batch_size, options.micro_batches)
 
         def actor_config_for(mode):
+            if mode == TRAIN_LAYOUT_MODE:
+                policy_loss = KLCovGlobalPolicyLossConfig(
+                    kl_cov_ratio=options.kl_cov_ratio, ppo_kl_coef=options.ppo_kl_coef, prepass_layout="train"
+                )
+                return _tiny.make_actor_config(policy_loss=policy_loss)
             return _tiny.make_actor_config(
                 loss_mode=mode, kl_cov_ratio=options.kl_cov_ratio, ppo_kl_coef=options.ppo_kl_coef
             )
+
+        modes = (*MODES, TRAIN_LAYOUT_MODE)
+        updates = 2 * len(modes)
 
         blocks = []
         for block in range(options.blocks):
@@ -160,10 +173,10 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress) -> dict:
 
             def report_step(message, prefix=prefix, step=step):
                 step["n"] += 1
-                progress(f"{prefix} update {step['n']}/6: {message}")
+                progress(f"{prefix} update {step['n']}/{updates}: {message}")
 
             with quiet_verl():
-                results = run_block(spec, batch, layouts, actor_config_for, progress=report_step)
+                results = run_block(spec, batch, layouts, actor_config_for, modes=modes, progress=report_step)
             blocks.append({mode: asdict(result) for mode, result in results.items()})
     report = summarise(options, device, [layout.name for layout in layouts], blocks)
     report["seconds"] = round(time.perf_counter() - started, 1)
@@ -201,7 +214,7 @@ def summarise(options: DiagnoseOptions, device: str, layout_names: list[str], bl
         f"(limit {INVARIANCE_FACTOR:g}x)"
     )
     if kl_cov_worst is not None:
-        verdict += f"; kl_cov differs by up to {kl_cov_worst:.0f}x"
+        verdict += f"; kl_cov differs by up to {kl_cov_worst:.3g}x"
     return {
         "options": asdict(options),
         "device": device,
@@ -223,7 +236,7 @@ def format_report(report: dict) -> str:
         f"tokens | kl_cov_ratio {options['kl_cov_ratio']} | ppo_kl_coef {options['ppo_kl_coef']} | "
         f"{len(report['modes']['vanilla']['max_param_diff'])} blocks | {report.get('seconds', '?')} s",
         "",
-        f"{'mode':<15} {'tokens selected (' + first + ' | ' + second + ')':<44} {'masks':<10} "
+        f"{'mode':<29} {'tokens selected (' + first + ' | ' + second + ')':<44} {'masks':<10} "
         f"{'max|dtheta| between layouts':<30} ratio to control",
     ]
     for mode, figures in report["modes"].items():
@@ -231,9 +244,20 @@ def format_report(report: dict) -> str:
         masks = {None: "-", True: "identical", False: "DIFFER"}[figures["masks_identical"]]
         diffs = ", ".join(f"{d:.1e}" for d in figures["max_param_diff"])
         ratios = ", ".join(f"{r:.2f}" if r < 10 else f"{r:.0f}" for r in figures["ratio_to_control"])
-        lines.append(f"{mode:<15} {selected:<44} {masks:<10} {diffs:<30} {ratios}")
+        lines.append(f"{mode:<29} {selected:<44} {masks:<10} {diffs:<30} {ratios}")
     lines += ["", ("OK: " if report["invariant"] else "FAIL: ") + report["verdict"]]
     return "\n".join(lines)
+
+
+def _json_safe(value):
+    """Non-finite floats as null: ``Infinity``/``NaN`` are not JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return value
 
 
 def _write_json_atomically(path: str, report: dict) -> None:
@@ -241,7 +265,7 @@ def _write_json_atomically(path: str, report: dict) -> None:
     handle = tempfile.NamedTemporaryFile("w", dir=folder, prefix=".diagnose-", suffix=".json", delete=False)
     try:
         with handle:
-            json.dump(report, handle, indent=2)
+            json.dump(_json_safe(report), handle, indent=2, allow_nan=False)
         os.replace(handle.name, path)
     except BaseException:
         os.unlink(handle.name)

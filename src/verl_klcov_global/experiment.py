@@ -21,10 +21,12 @@ import torch
 from tensordict import TensorDict
 
 from . import _cpu, _tiny
-from .hook import PrepassResult, observe_selections
+from .hook import PrepassResult, largest_divisor_at_most, observe_selections
 from .selection import kl_cov_quota
 
 MODES = ("vanilla", "kl_cov", "kl_cov_global")
+#: kl_cov_global with the prepass in the training micro-batch layout (verl PR #7830's choice).
+TRAIN_LAYOUT_MODE = "kl_cov_global[prepass=train]"
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ def one_update(engine_spec: EngineSpec, batch: TensorDict, actor_config, layout:
     with observe_selections(lambda _engine, result: selections.append(result)), engine.train_mode():
         output = engine.train_batch(td, loss_function=loss_function)
     params = _cpu.engine_params_flat(engine)
+    _release(engine)
     if selections:
         selected = selections[-1].selection.num_selected
     else:
@@ -141,6 +144,16 @@ def one_update(engine_spec: EngineSpec, batch: TensorDict, actor_config, layout:
     )
 
 
+def _release(engine) -> None:
+    """Free an engine now: diagnose builds several per block, with real checkpoints on a GPU."""
+    import gc
+
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def frozen_minibatch(engine_spec: EngineSpec, seed: int, *, batch_size: int = 64, prompt_len: int = 16,
                      response_len: int = 128, layout: str = "v1", **batch_kwargs) -> TensorDict:
     """A minibatch whose ``old_log_probs`` are the initial policy's log-probs + N(0, 0.05).
@@ -148,10 +161,13 @@ def frozen_minibatch(engine_spec: EngineSpec, seed: int, *, batch_size: int = 64
     The perturbation matters: with old == current exactly, |log-ratio| has zero
     gradient and kl_cov's penalty is invisible (see VERL_NOTES).
     """
+    batch_kwargs.setdefault("micro_batch_size_per_gpu", largest_divisor_at_most(batch_size, 8))
     common = dict(batch_size=batch_size, prompt_len=prompt_len, response_len=response_len, seed=seed,
                   layout=layout, use_remove_padding=engine_spec.use_remove_padding, **batch_kwargs)
     probe = _tiny.make_minibatch(**common)
-    current = _tiny.compute_current_log_probs(engine_spec.build(), probe)
+    engine = engine_spec.build()
+    current = _tiny.compute_current_log_probs(engine, probe)
+    _release(engine)
     return _tiny.make_minibatch(**common, log_probs=current)
 
 

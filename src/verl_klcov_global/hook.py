@@ -28,8 +28,8 @@ path ``logprobs_from_logits`` takes without flash-attn / NPU kernels, e.g. on CP
 a version that calls ``torch.logsumexp`` once per chunk of rows instead of once per
 row, while the no-grad prepass runs; restored afterwards. verl loops per row to bound
 peak memory under autograd; without grad a chunk of ``_LOGSUMEXP_CHUNK_ELEMENTS``
-logits bounds it the same way. On CPU the results are bit-identical to verl's loop
-(tests/test_hook_patches.py); bf16/fp16 logits keep verl's own path.
+logits bounds it the same way. CPU logits only, where the results are bit-identical to
+verl's loop (tests/test_hook_patches.py); bf16/fp16 and accelerator logits keep verl's path.
 """
 
 from __future__ import annotations
@@ -174,8 +174,20 @@ def require_supported_engine(engine: BaseEngine) -> None:
         )
 
 
-def _loss_with_mask_slice(loss_function: Callable, figures: dict, model_output, data: TensorDict, dp_group=None):
-    """verl's loss function, called inside ``provide_kl_cov_mask`` with this micro-batch's mask slice."""
+def _loss_with_mask_slice(loss_function: Callable, figures: dict, *args, **kwargs):
+    """verl's loss function, called inside ``provide_kl_cov_mask`` with this micro-batch's mask slice.
+
+    verl also passes the same function as a logits processor for top-k distillation
+    (``logits_processor_func(student_logits=..., data=...)``, verl 0.9.1
+    transformer_impl.py ~1413): such calls compute no policy loss and go through untouched.
+    """
+    if "student_logits" in kwargs:
+        return loss_function(*args, **kwargs)
+    return _policy_loss_with_mask_slice(loss_function, figures, *args, **kwargs)
+
+
+def _policy_loss_with_mask_slice(loss_function: Callable, figures: dict, model_output, data: TensorDict,
+                                 dp_group=None):
     if MASK_KEY not in data.keys():
         raise RuntimeError(
             f"micro-batch lost the per-token field {MASK_KEY!r} on its way from the minibatch: verl's micro-batch "
@@ -283,7 +295,10 @@ def batched_logsumexp() -> Iterator[None]:
 
     def logprobs_from_logits_chunked(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         exact_dtype = logits.dtype in (torch.float32, torch.float64)  # verl's bf16/fp16 path stays untouched
-        if torch.is_grad_enabled() or not exact_dtype or logits.dim() < 2 or not logits.shape[0]:
+        # CPU only: there one batched reduction is bit-identical to verl's per-row loop (tested);
+        # an accelerator's reduction order may differ in the last bit.
+        on_cpu = logits.device.type == "cpu"
+        if torch.is_grad_enabled() or not exact_dtype or not on_cpu or logits.dim() < 2 or not logits.shape[0]:
             return original(logits, labels)
         logits_labels = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
         rows = max(1, _LOGSUMEXP_CHUNK_ELEMENTS // max(1, logits[0].numel()))

@@ -80,14 +80,19 @@ class KLCovSelection:
     mean_log_prob: float
 
     def figures(self) -> dict[str, float]:
-        """The scalar figures, for logging (names without a prefix)."""
-        return {
+        """The scalar figures, for logging (names without a prefix).
+
+        ``cov_threshold`` is left out when nothing is selected (it is undefined), so no NaN reaches a logger.
+        """
+        figures = {
             "quota": float(self.quota),
             "selected": float(self.num_selected),
             "valid_tokens": float(self.num_valid),
             "nonfinite_tokens": float(self.num_nonfinite),
-            "cov_threshold": self.threshold,
         }
+        if self.num_selected:
+            figures["cov_threshold"] = self.threshold
+        return figures
 
 
 def validate_kl_cov_ratio(ratio: float) -> float:
