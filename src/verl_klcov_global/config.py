@@ -10,6 +10,9 @@ Everything a user can set lives in ``actor_rollout_ref.actor.policy_loss``:
   prepass, ``"infer"`` (default: the engine's log-prob inference settings, so
   the mask cannot depend on the training micro-batch size even in bf16) or
   ``"train"`` (the training micro-batch settings, as verl PR #7830 does).
+  With dynamic batching the inference layout still depends on each rank's shard, so
+  in bf16 (batch-shape-dependent log-probs) a different DP size can still move a
+  near-tie; the training micro-batch size cannot.
 """
 
 from __future__ import annotations

@@ -259,7 +259,9 @@ def compute_prepass_log_probs(engine: BaseEngine, data: TensorDict, layout: str)
 
     A no-grad forward in eval mode (no dropout) that computes only log-probs: no
     entropy, no distillation; the module's mode and the CPU/device RNG states are
-    restored afterwards, so the training step that follows is unchanged.
+    restored afterwards, so the training step that follows is unchanged. (verl's kl_cov
+    scores tokens with the training forward's train-mode log-probs; the two differ only
+    for models with active dropout or router noise.)
     """
     prepass_data = data.copy()  # shallow: new keys here do not reach the training step
     tu.assign_non_tensor(
