@@ -438,9 +438,26 @@ def fsdp_engine_configs(
     """verl's model/engine/optimizer/checkpoint configs of :func:`build_fsdp_engine`.
 
     Keys ``model_config``, ``engine_config``, ``optimizer_config``, ``checkpoint_config``:
-    what ``EngineRegistry.new`` and verl's ``TrainingWorkerConfig`` take. sdpa attention,
-    plain ``torch.optim.SGD`` with constant LR (no warmup), fp32 master weights.
+    what ``EngineRegistry.new`` and verl's ``TrainingWorkerConfig`` take. sdpa attention.
+
+    Args:
+        strategy: "fsdp" (FSDP1) or "fsdp2".
+        dtype: "fp32" (no autocast) or "bf16" (FSDP param_dtype bf16,
+            reduce/buffer fp32; verl sets ``_autocast_dtype=bf16`` and runs the
+            forward under ``torch.autocast``). Master weights fp32.
+        lr, clip_grad, weight_decay: plain ``torch.optim.SGD``, constant LR,
+            no warmup; weight decay 0 so parameters move only by gradients.
+        use_remove_padding: engine-level flag (verl's monkey patch); the
+            per-batch ``use_remove_padding`` key should agree with it.
+        use_dynamic_bsz, micro_batch_size_per_gpu, max_token_len_per_gpu,
+        infer_*: stored in the engine config (what ``TrainingWorker`` would
+            inject); the batch's own non-tensor keys take precedence.
+        seed: ``FSDPEngineConfig.seed``.
     """
+    if strategy not in ("fsdp", "fsdp2"):
+        raise ValueError(f"strategy must be 'fsdp' or 'fsdp2', got {strategy!r}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 
@@ -478,46 +495,19 @@ def fsdp_engine_configs(
                 checkpoint_config=CheckpointConfig())
 
 
-def build_fsdp_engine(
-    model_path: str,
-    *,
-    strategy: str = "fsdp",
-    dtype: str = "fp32",
-    lr: float = 0.02,
-    clip_grad: float = 0.05,
-    weight_decay: float = 0.0,
-    use_remove_padding: bool = False,
-    use_dynamic_bsz: bool = False,
-    micro_batch_size_per_gpu: Optional[int] = 8,
-    max_token_len_per_gpu: Optional[int] = 2048,
-    infer_micro_batch_size_per_gpu: Optional[int] = 16,
-    infer_max_token_len_per_gpu: Optional[int] = 4096,
-    gradient_checkpointing: bool = False,
-    seed: int = 0,
-    device: str = "cpu",
-):
-    """Build and ``initialize()`` verl's ``FSDPEngineWithLMHead`` on CPU.
+def build_fsdp_engine(model_path: str, *, device: str = "cpu", seed: int = 0, **options: Any):
+    """Build and ``initialize()`` verl's ``FSDPEngineWithLMHead`` (on CPU by default).
 
     Args:
         model_path: local HF model dir (e.g. from ``_tiny.build_tiny_model``);
             weights are loaded from it, so they are identical on every call.
-        strategy: "fsdp" (FSDP1) or "fsdp2".
-        dtype: "fp32" (no autocast) or "bf16" (FSDP param_dtype bf16,
-            reduce/buffer fp32; verl sets ``_autocast_dtype=bf16`` and runs the
-            forward under ``torch.autocast("cpu", bf16)``). Master weights fp32.
-        lr, clip_grad, weight_decay: plain ``torch.optim.SGD``, constant LR,
-            no warmup; weight decay 0 so parameters move only by gradients.
-        use_remove_padding: engine-level flag (verl's monkey patch); the
-            per-batch ``use_remove_padding`` key should agree with it.
-        use_dynamic_bsz, micro_batch_size_per_gpu, max_token_len_per_gpu,
-        infer_*: stored in the engine config (what ``TrainingWorker`` would
-            inject); the batch's own non-tensor keys take precedence.
-        seed: ``FSDPEngineConfig.seed``; also seeds torch's CPU RNG.
         device: "cpu" (installs the CPU platform, gloo) or "cuda" (verl's own
             platform, one NCCL rank).
+        seed: ``FSDPEngineConfig.seed``; also seeds torch's CPU RNG.
+        options: the engine's settings, see :func:`fsdp_engine_configs`.
 
-    Initialises a world-size-1 gloo group when none exists (for more ranks
-    call :func:`init_process_group_cpu` first). Collective over the group.
+    Initialises a world-size-1 group when none exists (for more ranks call
+    :func:`init_process_group_cpu` first). Collective over the group.
     """
     if device == "cpu":
         install_cpu_platform()
@@ -525,23 +515,12 @@ def build_fsdp_engine(
             init_process_group_cpu()
     elif not dist.is_initialized():  # an accelerator: verl's own platform, one NCCL rank
         init_process_group_cpu(backend="nccl")
-    if strategy not in ("fsdp", "fsdp2"):
-        raise ValueError(f"strategy must be 'fsdp' or 'fsdp2', got {strategy!r}")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
 
     from verl.workers.engine.base import EngineRegistry
 
     torch.manual_seed(seed)
-    configs = fsdp_engine_configs(
-        model_path, strategy=strategy, dtype=dtype, lr=lr, clip_grad=clip_grad, weight_decay=weight_decay,
-        use_remove_padding=use_remove_padding, use_dynamic_bsz=use_dynamic_bsz,
-        micro_batch_size_per_gpu=micro_batch_size_per_gpu, max_token_len_per_gpu=max_token_len_per_gpu,
-        infer_micro_batch_size_per_gpu=infer_micro_batch_size_per_gpu,
-        infer_max_token_len_per_gpu=infer_max_token_len_per_gpu, gradient_checkpointing=gradient_checkpointing,
-        seed=seed,
-    )
-    engine = EngineRegistry.new(model_type="language_model", backend=strategy, **configs)
+    configs = fsdp_engine_configs(model_path, seed=seed, **options)
+    engine = EngineRegistry.new(model_type="language_model", backend=configs["engine_config"].strategy, **configs)
     engine.initialize()
     return engine
 
