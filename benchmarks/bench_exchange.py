@@ -1,18 +1,21 @@
-"""Data-parallel exchange volume of the global selection, W = 2, vs all-gather-everything.
+"""Data-parallel exchange of one selection, W = 2: the 0.1.0 design vs the current one.
 
-From the algorithm (``verl_klcov_global/selection.py``), every rank sends per
-optimizer step: one all-gather of 5 float64 (per-rank stats), one all-reduce(SUM) of 2 int64,
-one all-gather of ``k`` float64 candidates and one all-gather of 2 int64:
-``8 * (5 + 2 + k + 2) = 72 + 8k`` bytes, whatever the number of valid tokens.
-The alternative (gather every valid token's advantage and log-prob, as verl PR
-#7830 proposes) sends ``2 * 4 = 8`` bytes per valid token of the rank (float32).
+Both designs make the same selection (masks compared bit for bit with the
+single-process selection here, and in tests/test_selection.py). They differ in what
+each rank sends per optimizer step:
 
-The formula is checked against a real 2-process gloo run: ``torch.distributed``
-is replaced, inside ``verl_klcov_global.selection`` only, by a proxy that counts
-each collective call and the bytes of the tensor the rank contributes, and the
-sharded selection is compared with the single-process one (bit for bit). The
-same run times the distributed selection and, for scale, one all-gather of
-every valid token's two float32 values.
+* 0.1.0 (``benchmarks/legacy_selection.py``): one all-gather of 5 float64, one
+  all-reduce of 2 int64, one all-gather of ``k`` float64 candidates, one all-gather of
+  2 int64: ``72 + 8k`` bytes, and each rank receives ``W * k`` candidates and runs a
+  top-k over them.
+* current (``verl_klcov_global.selection``): the same first two collectives (56 bytes),
+  then a radix search for the k-th key: one all-reduce of a 256-bin int32 histogram
+  (1,024 bytes) per round, at most 8 rounds, then one collective of 8 bytes:
+  ``64 + 1024 * rounds <= 8,256`` bytes, whatever ``k`` and ``N``.
+
+``torch.distributed`` is replaced, inside the module that issues the collectives only, by a
+proxy that counts each call and the bytes of the tensor the rank contributes. The same
+run times both designs on 2 gloo processes (loopback, 1 thread each).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ import torch.distributed as dist
 WORLD_SIZE = 2
 TOTALS = (8192, 10**6)
 SHAPES = {8192: (64, 128), 10**6: (1000, 1000)}  # every token valid; rank r holds rows [r*B/2, (r+1)*B/2)
+RATIOS = (0.0002, 0.002, 0.02, 0.2, 1.0)
+QUICK_TOTALS = (8192,)
+QUICK_RATIOS = (0.0002, 0.2)
 
 
 def full_tensors(total: int, seed: int = 1):
@@ -38,17 +44,16 @@ def full_tensors(total: int, seed: int = 1):
     advantages = torch.randn(rows, 1, generator=gen) + 0.1 * torch.randn(rows, width, generator=gen)
     log_probs = -8 * torch.rand(rows, width, generator=gen)
     return advantages, log_probs, torch.ones(rows, width, dtype=torch.bool)
-RATIOS = (0.0002, 0.002)
 
 
-def formula_bytes(k: int) -> int:
-    """Bytes one rank contributes to the collectives of one global selection (quota ``k``)."""
+def legacy_formula_bytes(k: int) -> int:
+    """Bytes one rank contributes to the collectives of one 0.1.0 selection (quota ``k``)."""
     return 8 * (5 + 2 + k + 2)
 
 
-def all_gather_everything_bytes(valid_on_rank: int) -> int:
-    """Bytes one rank contributes when every valid token's (advantage, log-prob) float32 pair is gathered."""
-    return 2 * 4 * valid_on_rank
+def current_formula_bytes(rounds: int) -> int:
+    """Bytes one rank contributes to the collectives of one current selection that took ``rounds`` rounds."""
+    return 8 * 5 + 8 * 2 + 1024 * rounds + 8
 
 
 class CountingDist:
@@ -72,70 +77,78 @@ class CountingDist:
         raise TypeError("CountingDist is process-local")
 
 
+def _count(module, select, *args, **kwargs):
+    """(result, calls) of ``select(*args, **kwargs)`` with ``module.dist`` counting."""
+    counting, original = CountingDist(), module.dist
+    module.dist = counting
+    try:
+        return select(*args, **kwargs), list(counting.calls)
+    finally:
+        module.dist = original
+
+
+def _median_seconds(call, rounds: int) -> float:
+    samples = []
+    for _ in range(rounds):
+        dist.barrier()
+        started = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - started)
+    return sorted(samples)[len(samples) // 2]
+
+
 def _worker(rank: int, world_size: int, port: int, cases: list[tuple[int, float]], rounds: int,
             malloc_reuse: bool) -> list[dict]:
-    """Spawned rank: count the collectives of the sharded selection, time it and the all-gather alternative."""
+    """Spawned rank: count and time both designs' sharded selections."""
     if malloc_reuse:
         from ._common import tune_malloc
 
         tune_malloc()
-    from verl_klcov_global import selection as selection_module
+    torch.set_num_threads(1)
     from verl_klcov_global._cpu import init_process_group_cpu
+    from verl_klcov_global.selection import collectives, select_kl_cov_tokens
+
+    from . import legacy_selection
 
     init_process_group_cpu(rank, world_size, port)
-    counting = CountingDist()
-    original_dist = selection_module.dist
+    group = dist.group.WORLD
     out = []
     try:
         for total, ratio in cases:
             a, lp, m = full_tensors(total)
-            reference = selection_module.select_kl_cov_tokens(a, lp, m, ratio)  # single process, whole minibatch
+            reference = select_kl_cov_tokens(a, lp, m, ratio)  # single process, whole minibatch
             split = a.shape[0] // 2
             rows = slice(0, split) if rank == 0 else slice(split, a.shape[0])
             a, lp, m = a[rows].contiguous(), lp[rows].contiguous(), m[rows].contiguous()
-            selection_module.dist = counting
-            counting.calls.clear()
-            sharded = selection_module.select_kl_cov_tokens(a, lp, m, ratio, group=dist.group.WORLD)
-            calls = list(counting.calls)
-            selection_module.dist = original_dist
-            ours_s, gather_s = [], []
-            valid_here = int(m.sum())
-            for _ in range(rounds):
-                dist.barrier()
-                t0 = time.perf_counter()
-                selection_module.select_kl_cov_tokens(a, lp, m, ratio, group=dist.group.WORLD)
-                ours_s.append(time.perf_counter() - t0)
-                dist.barrier()
-                t0 = time.perf_counter()
-                # all-gather-everything: sizes first (shards differ), then every valid (A, logp) pair, padded
-                sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-                dist.all_gather(sizes, torch.tensor([valid_here]))
-                width = int(max(s.item() for s in sizes))
-                mine = torch.zeros(2, width)
-                mine[0, :valid_here], mine[1, :valid_here] = a[m], lp[m]
-                parts = [torch.empty_like(mine) for _ in range(world_size)]
-                dist.all_gather(parts, mine)
-                gather_s.append(time.perf_counter() - t0)
+            current, current_calls = _count(collectives, select_kl_cov_tokens, a, lp, m, ratio, group=group)
+            legacy, legacy_calls = _count(legacy_selection, legacy_selection.select_kl_cov_tokens, a, lp, m, ratio,
+                                          group=group)
             out.append({
-                "total_valid": total, "ratio": ratio, "valid_on_rank": valid_here, "quota": sharded.quota,
-                "collective_calls": calls, "bytes_sent_counted": sum(b for _, b in calls),
-                "bytes_sent_formula": formula_bytes(sharded.quota),
-                "bytes_all_gather_everything": all_gather_everything_bytes(valid_here),
-                "mask_equals_single_process": torch.equal(sharded.mask, reference.mask[rows]),
-                "ours_seconds": sorted(ours_s)[len(ours_s) // 2],
-                "all_gather_everything_seconds": sorted(gather_s)[len(gather_s) // 2],
+                "total_valid": total, "ratio": ratio, "valid_on_rank": int(m.sum()), "quota": current.quota,
+                "search_rounds": current.search_rounds,
+                "current_calls": current_calls, "legacy_calls": legacy_calls,
+                "current_bytes": sum(b for _, b in current_calls), "legacy_bytes": sum(b for _, b in legacy_calls),
+                "current_formula_bytes": current_formula_bytes(current.search_rounds),
+                "legacy_formula_bytes": legacy_formula_bytes(legacy.quota),
+                "masks_equal": torch.equal(current.mask, reference.mask[rows])
+                and torch.equal(legacy.mask, reference.mask[rows]),
+                "current_seconds": _median_seconds(
+                    lambda: select_kl_cov_tokens(a, lp, m, ratio, group=group), rounds),
+                "legacy_seconds": _median_seconds(
+                    lambda: legacy_selection.select_kl_cov_tokens(a, lp, m, ratio, group=group), rounds),
             })
     finally:
-        selection_module.dist = original_dist
         dist.destroy_process_group()
     return out
 
 
-def run(*, quick: bool, totals=TOTALS, ratios=RATIOS, rounds=None, tune_malloc: bool = True,
+def run(*, quick: bool, totals=None, ratios=None, rounds=None, tune_malloc: bool = True,
         progress=print) -> dict[str, Any]:
     from verl_klcov_global._cpu import spawn
 
-    rounds = rounds if rounds is not None else (3 if quick else 9)
+    totals = totals or (QUICK_TOTALS if quick else TOTALS)
+    ratios = ratios or (QUICK_RATIOS if quick else RATIOS)
+    rounds = rounds if rounds is not None else (3 if quick else 7)
     cases = [(total, ratio) for total in totals for ratio in ratios]
     progress(f"[exchange] spawning {WORLD_SIZE} gloo processes: {len(cases)} cases, {rounds} timed rounds each")
     per_rank = spawn(_worker, WORLD_SIZE, cases, rounds, tune_malloc)
@@ -145,14 +158,16 @@ def run(*, quick: bool, totals=TOTALS, ratios=RATIOS, rounds=None, tune_malloc: 
         rows.append({
             "total_valid": total, "ratio": ratio, "quota": ranks[0]["quota"], "world_size": WORLD_SIZE,
             "per_rank": ranks,
-            "bytes_sent_per_rank_counted": max(r["bytes_sent_counted"] for r in ranks),
-            "bytes_sent_per_rank_formula": ranks[0]["bytes_sent_formula"],
-            "collective_calls_per_rank": len(ranks[0]["collective_calls"]),
-            "bytes_all_gather_everything_per_rank": max(r["bytes_all_gather_everything"] for r in ranks),
-            "counted_equals_formula": all(r["bytes_sent_counted"] == r["bytes_sent_formula"] for r in ranks),
-            "masks_equal_single_process": all(r["mask_equals_single_process"] for r in ranks),
-            "ours_seconds": max(r["ours_seconds"] for r in ranks),
-            "all_gather_everything_seconds": max(r["all_gather_everything_seconds"] for r in ranks),
+            "search_rounds": ranks[0]["search_rounds"],
+            "current_bytes_per_rank": max(r["current_bytes"] for r in ranks),
+            "legacy_bytes_per_rank": max(r["legacy_bytes"] for r in ranks),
+            "current_calls_per_rank": len(ranks[0]["current_calls"]),
+            "legacy_calls_per_rank": len(ranks[0]["legacy_calls"]),
+            "counted_equals_formula": all(r["current_bytes"] == r["current_formula_bytes"]
+                                          and r["legacy_bytes"] == r["legacy_formula_bytes"] for r in ranks),
+            "masks_equal_single_process": all(r["masks_equal"] for r in ranks),
+            "current_seconds": max(r["current_seconds"] for r in ranks),
+            "legacy_seconds": max(r["legacy_seconds"] for r in ranks),
         })
     return {"world_size": WORLD_SIZE, "rows": rows}
 
@@ -160,11 +175,13 @@ def run(*, quick: bool, totals=TOTALS, ratios=RATIOS, rounds=None, tune_malloc: 
 def report(result: dict[str, Any]) -> str:
     from ._common import table
 
-    rows = [[r["total_valid"], r["ratio"], r["quota"], r["collective_calls_per_rank"],
-             r["bytes_sent_per_rank_formula"], r["bytes_sent_per_rank_counted"],
-             r["bytes_all_gather_everything_per_rank"],
-             f"{r['bytes_all_gather_everything_per_rank'] / r['bytes_sent_per_rank_counted']:.0f}x",
+    rows = [[r["total_valid"], r["ratio"], r["quota"],
+             f"{r['legacy_calls_per_rank']} / {r['current_calls_per_rank']}",
+             r["legacy_bytes_per_rank"], r["current_bytes_per_rank"], r["search_rounds"],
+             "yes" if r["counted_equals_formula"] else "NO",
              "yes" if r["masks_equal_single_process"] else "NO",
-             r["ours_seconds"] * 1e3, r["all_gather_everything_seconds"] * 1e3] for r in result["rows"]]
-    return table(["valid tokens (W=2)", "ratio", "k", "calls/rank", "bytes/rank (formula)", "bytes/rank (counted)",
-                  "all-gather-everything bytes/rank", "ratio", "mask = 1-proc", "ours ms", "all-gather ms"], rows)
+             r["legacy_seconds"] * 1e3, r["current_seconds"] * 1e3,
+             f"{r['current_seconds'] / r['legacy_seconds']:.2f}"] for r in result["rows"]]
+    return table(["valid tokens (W=2)", "ratio", "k", "collectives 0.1.0 / now", "bytes/rank 0.1.0",
+                  "bytes/rank now", "radix rounds", "counted = formula", "masks = 1-proc",
+                  "0.1.0 ms", "now ms", "time now / 0.1.0"], rows)

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     if "exchange" in parts:
         payload["exchange"] = bench_exchange.run(quick=args.quick, tune_malloc=args.malloc == "reuse",
                                                  progress=progress)
-        reports.append(("exchange: bytes each rank sends per optimizer step, DP world size 2",
+        reports.append(("exchange: bytes each rank sends per selection, 0.1.0 design vs now, DP world size 2",
                         bench_exchange.report(payload["exchange"])))
     if "step" in parts:
         cases = args.cases or (["padded"] if args.quick else ["padded", "packed"])

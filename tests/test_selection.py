@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from verl_klcov_global.selection import kl_cov_quota, select_kl_cov_tokens
 
+from benchmarks import legacy_selection
+
 from .batches import boundary_gap, random_minibatch
 
 
@@ -38,6 +40,27 @@ def test_matches_upstream_selection_on_whole_minibatch(seed, ratio, batch, lengt
     assert set(torch.nonzero(result.mask.reshape(-1)).flatten().tolist()) == expected
     assert result.quota == result.num_selected == len(expected)
     assert result.num_valid == int(response_mask.sum())
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 10_000), ratio=st.sampled_from([0.0002, 0.01, 0.05, 0.3, 0.7, 1.0]),
+       batch=st.integers(0, 24), length=st.integers(1, 40), kind=st.sampled_from(["f32", "f64", "ties", "nan"]))
+def test_masks_are_bit_identical_to_the_v0_1_gather_design(seed, ratio, batch, length, kind):
+    """The radix agreement changed the exchange, not the result: same mask, threshold and figures as 0.1.0."""
+    advantages, log_probs, response_mask = random_minibatch(seed, batch, length)
+    if kind == "f64":
+        gen = torch.Generator().manual_seed(seed)
+        advantages = advantages.double() + 1e-9 * torch.rand(advantages.shape, generator=gen, dtype=torch.float64)
+    elif kind == "ties":  # few distinct values: ties at the boundary are the rule
+        advantages, log_probs = advantages.round(), (log_probs / 4).round()
+    elif kind == "nan" and advantages.numel():
+        advantages.view(-1)[seed % advantages.numel()] = math.nan
+        log_probs.view(-1)[(seed * 7) % log_probs.numel()] = -math.inf
+    new = select_kl_cov_tokens(advantages, log_probs, response_mask, ratio)
+    old = legacy_selection.select_kl_cov_tokens(advantages, log_probs, response_mask, ratio)
+    assert torch.equal(new.mask, old.mask)
+    assert new.figures() == old.figures()
+    assert (new.mean_advantage, new.mean_log_prob) == (old.mean_advantage, old.mean_log_prob)
 
 
 def test_quota_for_8192_tokens_at_ratio_0_0002_is_one_whatever_the_split():
