@@ -10,7 +10,8 @@ from typing import Optional, Sequence
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verl-klcov-global",
-        description="KL-Cov whose token selection does not depend on micro-batch or data-parallel size (verl plugin).",
+        description=("KL-Cov whose token selection does not depend on the micro-batch size, and on the DP size only "
+                     "as far as the prepass log-probs do (README: What is guaranteed) (verl plugin)."),
     )
     commands = parser.add_subparsers(dest="command", required=True)
     diagnose = commands.add_parser(
