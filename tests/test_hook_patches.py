@@ -419,22 +419,25 @@ def test_batched_logsumexp_is_bit_identical_to_verls_loop_and_restored(shape):
     assert torch.equal(got, expected)
 
 
-def test_batched_logsumexp_leaves_grad_and_bf16_to_verl(monkeypatch):
+def test_batched_logsumexp_leaves_grad_bf16_and_non_contiguous_logits_to_verl(monkeypatch):
     import verl.utils.torch_functional as verl_F
 
     from verl_klcov_global.hook import batched_logsumexp
 
     calls = []
     original = verl_F.logprobs_from_logits_v2
-    monkeypatch.setattr(verl_F, "logprobs_from_logits_v2", lambda logits, labels: calls.append(logits.dtype) or original(logits, labels))
+    monkeypatch.setattr(verl_F, "logprobs_from_logits_v2",
+                        lambda logits, labels: calls.append((logits.dtype, logits.is_contiguous())) or original(logits, labels))
     logits, labels = torch.randn(4, 9), torch.randint(0, 9, (4,))
     with batched_logsumexp():
-        verl_F.logprobs_from_logits_v2(logits.requires_grad_(), labels)  # grad enabled: verl's loop
+        verl_F.logprobs_from_logits_v2(logits.clone().requires_grad_(), labels)  # grad enabled: verl's loop
         with torch.no_grad():
-            verl_F.logprobs_from_logits_v2(logits.detach().bfloat16(), labels)
-            verl_F.logprobs_from_logits_v2(logits.detach().to("meta"), labels.to("meta"))  # not CPU: verl's
-            verl_F.logprobs_from_logits_v2(logits.detach(), labels)  # fp32 on CPU, no grad: ours
-    assert calls == [torch.float32, torch.bfloat16, torch.float32]
+            verl_F.logprobs_from_logits_v2(logits.bfloat16(), labels)
+            verl_F.logprobs_from_logits_v2(logits.t().contiguous().t(), labels)  # non-contiguous: verl's
+            on_meta = verl_F.logprobs_from_logits_v2(logits.to("meta"), labels.to("meta"))  # any device: ours
+            verl_F.logprobs_from_logits_v2(logits.clone(), labels)  # fp32, no grad: ours
+    assert calls == [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)]
+    assert on_meta.device.type == "meta" and on_meta.shape == (4,)
 
 
 @pytest.mark.parametrize("rows, limit, expected", [(64, 16, 16), (8, 32, 8), (12, 8, 6), (10, 4, 2), (7, 16, 7), (1, 16, 1)])
