@@ -162,6 +162,29 @@ def test_patch_target_is_what_hook_py_expects(restore_hook):
     assert BaseEngine.train_batch is train_batch
 
 
+def test_verl_calls_the_prepass_memory_rules_rest_on():
+    """What hook.py's peak-memory reasoning takes from verl 0.9.1 (see its module docstring)."""
+    from verl.workers.engine.base import BaseEngineCtx
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine, FSDPEngineWithLMHead
+
+    original = getattr(BaseEngine.train_batch, ORIGINAL_ATTR)
+    source = inspect.getsource(original)
+    # freeing the gradients before the prepass is what train_batch does first anyway
+    assert source.index("self.optimizer_zero_grad()") < source.index("self.forward_backward_batch(")
+    assert "self.optimizer.zero_grad()" in inspect.getsource(FSDPEngine.optimizer_zero_grad)
+    assert inspect.signature(torch.optim.Optimizer.zero_grad).parameters["set_to_none"].default is True
+    # train mode loads an offloaded optimizer's states onto the device, eval mode (compute_log_prob) does not
+    switch = inspect.getsource(BaseEngineCtx._context_switch)
+    assert "optimizer=self.engine.is_optimizer_offload_enabled" in switch and "optimizer=False" in switch
+    # engine.to(device, model, optimizer, grad): "cpu" offloads the optimizer states, the device name loads them
+    assert list(inspect.signature(FSDPEngine.to).parameters) == ["self", "device", "model", "optimizer", "grad"]
+    to_source = inspect.getsource(FSDPEngine.to)
+    assert "load_fsdp_optimizer(self.optimizer, device)" in to_source
+    assert "offload_fsdp_optimizer(self.optimizer)" in to_source
+    # the loss function returns (loss, metrics); the hook adds selected_in_micro_batch to those metrics
+    assert "loss, metrics = loss_function(" in inspect.getsource(FSDPEngineWithLMHead.forward_step)
+
+
 # ---------------------------------------------------------------------------------------------
 # Other loss modes: verl's train_batch untouched
 

@@ -99,24 +99,30 @@ def test_static_chunk_sizes_without_a_group(rows, size, expected):
     assert hook.static_prepass_chunk_sizes(rows, size) == expected
 
 
-def _agree(rank, world_size, port, rows_per_rank, size):
+def _agree(rank, world_size, port, scenarios, size):
+    """``static_prepass_chunk_sizes`` on this rank for each (rows of rank 0, rows of rank 1); errors as text."""
+    _cpu.install_cpu_platform()  # the collective's tensor goes where verl's platform says (here: CPU, gloo)
     _cpu.init_process_group_cpu(rank, world_size, port)
     import torch.distributed as dist
 
-    try:
-        return hook.static_prepass_chunk_sizes(rows_per_rank[rank], size, dist.group.WORLD)
-    except ValueError as error:
-        return f"ValueError: {error}"
+    results = []
+    for rows_per_rank in scenarios:
+        try:
+            results.append(hook.static_prepass_chunk_sizes(rows_per_rank[rank], size, dist.group.WORLD))
+        except ValueError as error:
+            results.append(f"ValueError: {error}")
+    return results
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_static_chunk_count_is_agreed_over_the_dp_group_or_every_rank_raises():
-    # 13 and 5 rows at size 8: rank 1 alone would run 1 forward, rank 0 runs 2 (FSDP would hang)
-    assert _cpu.spawn(_agree, 2, (13, 5), 8) == [[7, 6], [3, 2]]
-    # 17 and 2 rows: 3 forwards needed, rank 1 cannot fill them: both ranks raise the same error
-    rank0, rank1 = _cpu.spawn(_agree, 2, (17, 2), 8)
-    assert rank0 == rank1 and rank0.startswith("ValueError") and "between 2 and 17 rows" in rank0
+    # 13 and 5 rows at size 8: alone, rank 1 would run 1 forward and rank 0 two (FSDP would hang);
+    # 17 and 2 rows: 3 forwards, which rank 1 cannot fill: both ranks raise the same error, then go on
+    rank0, rank1 = _cpu.spawn(_agree, 2, [(13, 5), (17, 2), (16, 16)], 8)
+    assert [rank0[0], rank1[0]] == [[7, 6], [3, 2]]
+    assert rank0[1] == rank1[1] and rank0[1].startswith("ValueError") and "between 2 and 17 rows" in rank0[1]
+    assert rank0[2] == rank1[2] == [8, 8]
 
 
 def test_dynamic_prepass_uses_the_log_prob_token_budget(tiny_model_path, thirteen_rows):
