@@ -341,6 +341,7 @@ def _optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch
 def prepass_forward_batches(engine: BaseEngine, data: TensorDict, layout: str) -> list[TensorDict]:
     """The batches the prepass hands to ``engine.infer_batch``, one call each, with their micro-batch keys.
 
+    Sets those keys on ``data`` itself: pass the prepass's own shallow copy, never the training batch.
     ``layout="train"``: ``[data]`` with its own (training) keys. ``"infer"``, dynamic batching:
     ``[data]`` with ``max_token_len_per_gpu = infer_max_token_len_per_gpu``. ``"infer"``, static:
     ``ceil(rows / infer_micro_batch_size_per_gpu)`` forwards (agreed over the DP group, see
