@@ -449,8 +449,11 @@ def test_batched_logsumexp_leaves_grad_bf16_and_non_contiguous_logits_to_verl(mo
 
     calls = []
     original = verl_F.logprobs_from_logits_v2
-    monkeypatch.setattr(verl_F, "logprobs_from_logits_v2",
-                        lambda logits, labels: calls.append((logits.dtype, logits.is_contiguous())) or original(logits, labels))
+    def recording(logits, labels):
+        calls.append((logits.dtype, logits.is_contiguous()))
+        return original(logits, labels)
+
+    monkeypatch.setattr(verl_F, "logprobs_from_logits_v2", recording)
     logits, labels = torch.randn(4, 9), torch.randint(0, 9, (4,))
     with batched_logsumexp():
         verl_F.logprobs_from_logits_v2(logits.clone().requires_grad_(), labels)  # grad enabled: verl's loop

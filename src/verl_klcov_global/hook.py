@@ -298,7 +298,7 @@ def run_prepass_and_select(engine: BaseEngine, data: TensorDict, settings: KLCov
 
 @contextlib.contextmanager
 def optimizer_states_off_device(engine: BaseEngine, layout: str) -> Iterator[bool]:
-    """Keep an offloaded optimizer's states on the host during an ``infer``-layout prepass; yields whether it moved them.
+    """Keep an offloaded optimizer's states on the host during an ``infer``-layout prepass; yields whether it did.
 
     With ``optimizer_offload=True`` verl's train-mode context has loaded the states onto the
     device before the step, while verl's ``compute_log_prob`` runs without them. For the
