@@ -162,6 +162,29 @@ def test_patch_target_is_what_hook_py_expects(restore_hook):
     assert BaseEngine.train_batch is train_batch
 
 
+def test_verl_calls_the_prepass_memory_rules_rest_on():
+    """What hook.py's peak-memory reasoning takes from verl 0.9.1 (see its module docstring)."""
+    from verl.workers.engine.base import BaseEngineCtx
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine, FSDPEngineWithLMHead
+
+    original = getattr(BaseEngine.train_batch, ORIGINAL_ATTR)
+    source = inspect.getsource(original)
+    # freeing the gradients before the prepass is what train_batch does first anyway
+    assert source.index("self.optimizer_zero_grad()") < source.index("self.forward_backward_batch(")
+    assert "self.optimizer.zero_grad()" in inspect.getsource(FSDPEngine.optimizer_zero_grad)
+    assert inspect.signature(torch.optim.Optimizer.zero_grad).parameters["set_to_none"].default is True
+    # train mode loads an offloaded optimizer's states onto the device, eval mode (compute_log_prob) does not
+    switch = inspect.getsource(BaseEngineCtx._context_switch)
+    assert "optimizer=self.engine.is_optimizer_offload_enabled" in switch and "optimizer=False" in switch
+    # engine.to(device, model, optimizer, grad): "cpu" offloads the optimizer states, the device name loads them
+    assert list(inspect.signature(FSDPEngine.to).parameters) == ["self", "device", "model", "optimizer", "grad"]
+    to_source = inspect.getsource(FSDPEngine.to)
+    assert "load_fsdp_optimizer(self.optimizer, device)" in to_source
+    assert "offload_fsdp_optimizer(self.optimizer)" in to_source
+    # the loss function returns (loss, metrics); the hook adds selected_in_micro_batch to those metrics
+    assert "loss, metrics = loss_function(" in inspect.getsource(FSDPEngineWithLMHead.forward_step)
+
+
 # ---------------------------------------------------------------------------------------------
 # Other loss modes: verl's train_batch untouched
 
@@ -419,22 +442,28 @@ def test_batched_logsumexp_is_bit_identical_to_verls_loop_and_restored(shape):
     assert torch.equal(got, expected)
 
 
-def test_batched_logsumexp_leaves_grad_and_bf16_to_verl(monkeypatch):
+def test_batched_logsumexp_leaves_grad_bf16_and_non_contiguous_logits_to_verl(monkeypatch):
     import verl.utils.torch_functional as verl_F
 
     from verl_klcov_global.hook import batched_logsumexp
 
     calls = []
     original = verl_F.logprobs_from_logits_v2
-    monkeypatch.setattr(verl_F, "logprobs_from_logits_v2", lambda logits, labels: calls.append(logits.dtype) or original(logits, labels))
+    def recording(logits, labels):
+        calls.append((logits.dtype, logits.is_contiguous()))
+        return original(logits, labels)
+
+    monkeypatch.setattr(verl_F, "logprobs_from_logits_v2", recording)
     logits, labels = torch.randn(4, 9), torch.randint(0, 9, (4,))
     with batched_logsumexp():
-        verl_F.logprobs_from_logits_v2(logits.requires_grad_(), labels)  # grad enabled: verl's loop
+        verl_F.logprobs_from_logits_v2(logits.clone().requires_grad_(), labels)  # grad enabled: verl's loop
         with torch.no_grad():
-            verl_F.logprobs_from_logits_v2(logits.detach().bfloat16(), labels)
-            verl_F.logprobs_from_logits_v2(logits.detach().to("meta"), labels.to("meta"))  # not CPU: verl's
-            verl_F.logprobs_from_logits_v2(logits.detach(), labels)  # fp32 on CPU, no grad: ours
-    assert calls == [torch.float32, torch.bfloat16, torch.float32]
+            verl_F.logprobs_from_logits_v2(logits.bfloat16(), labels)
+            verl_F.logprobs_from_logits_v2(logits.t().contiguous().t(), labels)  # non-contiguous: verl's
+            on_meta = verl_F.logprobs_from_logits_v2(logits.to("meta"), labels.to("meta"))  # any device: ours
+            verl_F.logprobs_from_logits_v2(logits.clone(), labels)  # fp32, no grad: ours
+    assert calls == [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)]
+    assert on_meta.device.type == "meta" and on_meta.shape == (4,)
 
 
 @pytest.mark.parametrize("rows, limit, expected", [(64, 16, 16), (8, 32, 8), (12, 8, 6), (10, 4, 2), (7, 16, 7), (1, 16, 1)])

@@ -142,12 +142,17 @@ def test_train_mini_batch_runs_one_prepass_per_optimizer_step_on_its_rows_and_pa
 
     # -- metrics returned by train_mini_batch --------------------------------------------------------
     metrics = tu.get(output, "metrics")
-    for name in ("actor/kl_cov/quota", "actor/kl_cov/selected", "actor/kl_cov/prepass_seconds"):
+    for name in ("actor/kl_cov/quota", "actor/kl_cov/selected", "actor/kl_cov/prepass_seconds",
+                 "actor/kl_cov/prepass_share", "actor/kl_cov/selected_in_micro_batch"):
         assert name in metrics, name
         assert len(metrics[name]) == len(steps), (name, metrics[name])
     assert [float(v) for v in metrics["actor/kl_cov/quota"]] == [float(s["reference"].quota) for s in steps]
     assert [float(v) for v in metrics["actor/kl_cov/selected"]] == [float(s["reference"].quota) for s in steps]
     assert [float(v) for v in metrics["actor/kl_cov/prepass_seconds"]] == pytest.approx(
         [s["results"][0].prepass_seconds for s in steps])
+    assert all(0 < float(v) < 1 for v in metrics["actor/kl_cov/prepass_share"])
+    # MEAN over the step's micro-batches (32 rows / 8 per micro-batch): times 4 it is the step's selection
+    assert [4 * float(v) for v in metrics["actor/kl_cov/selected_in_micro_batch"]] == pytest.approx(
+        [float(s["reference"].quota) for s in steps])
     print(f"\n[worker] quotas {[s['reference'].quota for s in steps]}, log-prob drift between epochs {drift:.2e}, "
           f"prepass vs plain model {max(lp_errors):.1e}")

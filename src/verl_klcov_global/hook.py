@@ -9,6 +9,9 @@ one call per optimizer step, made by ``TrainingWorker.train_batch`` for every
 minibatch and PPO epoch). Every engine inherits it. When the loss function's
 actor config selects ``kl_cov_global`` the wrapper, before verl's own step:
 
+0. frees the previous step's gradients (``engine.optimizer_zero_grad()``, set to None):
+   verl's ``train_batch`` does exactly that as its first call, so doing it before the
+   prepass changes nothing but the prepass's memory;
 1. runs a no-grad forward of the whole minibatch that computes only log-probs
    (:func:`compute_prepass_log_probs`), RNG states restored afterwards;
 2. selects tokens over the minibatch and the data-parallel group
@@ -22,14 +25,60 @@ actor config selects ``kl_cov_global`` the wrapper, before verl's own step:
 
 Every other loss mode runs verl's ``train_batch`` untouched.
 
+Micro-batching of the prepass (``prepass_layout``):
+
+* ``infer`` (default): the log-prob inference budget verl's ``compute_log_prob`` uses.
+  Dynamic batching: ``infer_max_token_len_per_gpu``, split by verl exactly as
+  ``compute_log_prob`` would split this minibatch. Static: ``ceil(rows / size)`` forwards
+  for ``size = infer_micro_batch_size_per_gpu``, row counts differing by at most one (so
+  each <= size); the count is agreed over the DP group (max), because every forward
+  all-gathers FSDP parameters on every rank; a rank that would need an empty forward
+  makes every rank raise instead of hanging.
+* ``train``: the training micro-batch keys of the minibatch, verl's own split.
+
+Peak memory (the prepass must not exceed max(verl's compute_log_prob on the same
+minibatch, the training step)). The prepass runs inside verl's train-mode context, where an
+offloaded optimizer's states are already on the device; ``compute_log_prob`` runs without
+them. So:
+
+* ``optimizer_offload=False``: the states are on the device during ``compute_log_prob`` too;
+  the prepass holds the same parameters and states, no gradients (step 0), and the same
+  micro-batches (``infer``) or the training step's micro-batches without autograd (``train``).
+* ``optimizer_offload=True`` with ``infer``: :func:`optimizer_states_off_device` moves the
+  states to the host (verl's ``engine.to(..., optimizer=True)``) for the prepass and back
+  before verl's step: two host<->device copies of this rank's optimizer-state shard per
+  optimizer step. Then the prepass holds what ``compute_log_prob`` holds.
+* ``optimizer_offload=True`` with ``train``: no copies; each prepass forward is a training
+  micro-batch's forward without autograd and gradients, so it stays below the training step.
+
 PATCH ``prepass_batched_logsumexp`` (prepass only, inside :func:`compute_prepass_log_probs`):
-swaps ``verl.utils.torch_functional.logprobs_from_logits_v2`` (verl 0.9.1 ~173, the
-path ``logprobs_from_logits`` takes without flash-attn / NPU kernels, e.g. on CPU) for
-a version that calls ``torch.logsumexp`` once per chunk of rows instead of once per
-row, while the no-grad prepass runs; restored afterwards. verl loops per row to bound
-peak memory under autograd; without grad a chunk of ``_LOGSUMEXP_CHUNK_ELEMENTS``
-logits bounds it the same way. CPU logits only, where the results are bit-identical to
-verl's loop (tests/test_hook_patches.py); bf16/fp16 and accelerator logits keep verl's path.
+swaps ``verl.utils.torch_functional.logprobs_from_logits_v2`` (verl 0.9.1 ~173: the path
+``logprobs_from_logits`` takes without flash-attn's cross-entropy kernel or with
+``VERL_DISABLE_FLASH_ATTN_CE=1``, and without NPU kernels) while the no-grad prepass runs;
+restored afterwards. verl loops over rows and allocates one row of temporaries per
+``logsumexp``; for float32/float64 logits the patch computes ``label_logit - logsumexp`` for
+all rows at once, in place in the logits (which the prepass reads nothing else from:
+entropy, sum(pi^2) and distillation are off and verl computes them before the log-probs), so it
+allocates only per-row vectors: less than verl's loop. On any device. What holds:
+
+* CPU: bit-identical to verl's loop when verl sums each row in one thread (rows of at most
+  32,768 logits, torch's reduction grain, or one intra-op thread). For wider rows with several
+  threads verl's loop splits each row's sum over threads (its values depend on the thread
+  count); the batched path sums every row in one thread, independent of the thread count and
+  of how many rows share the call: the last bits may differ from verl's loop.
+* Accelerators: self-consistency only. The same rows in the same micro-batch shapes give the
+  same values run after run (reductions are deterministic), which is what the selection needs;
+  the last bits may differ from verl's loop and between micro-batch shapes, as the model's
+  own matmuls already do.
+
+bf16/fp16 logits, grad-enabled calls and non-contiguous logits keep verl's path.
+
+Observability: the prepass and the selection run under ``torch.profiler.record_function``
+names :data:`PREPASS_RECORD_NAME` and :data:`SELECTION_RECORD_NAME`. Metrics added to verl's
+step metrics (prefix ``config.METRIC_PREFIX``): ``prepass_seconds`` (forward, including any
+optimizer-state moves), ``selection_seconds``, ``prepass_share`` ((prepass + selection) /
+wall time of the whole wrapped ``train_batch``: verl's ``mfu`` divides the training FLOPs by
+that wall time) and ``selected_in_micro_batch`` (explicitly ``AggregationType.MEAN``).
 """
 
 from __future__ import annotations
@@ -37,6 +86,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -55,9 +105,14 @@ from .selection import KLCovSelection, select_kl_cov_tokens
 
 TARGET_VERL_VERSION = "0.9.1"
 SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
+#: ``torch.profiler.record_function`` names of the prepass forward and of the selection.
+PREPASS_RECORD_NAME = "verl_klcov_global.prepass"
+SELECTION_RECORD_NAME = "verl_klcov_global.selection"
+#: Selected tokens in one micro-batch's slice of the mask; MEAN over the micro-batches of an
+#: optimizer step and the DP ranks (verl's ``Metric.aggregate_dp``), then over the optimizer steps.
+SELECTED_IN_MICRO_BATCH = f"{METRIC_PREFIX}selected_in_micro_batch"
 _ORIGINAL_ATTR = "__verl_klcov_global_original__"
 _SELECTION_OBSERVERS: list[Callable[[BaseEngine, "PrepassResult"], None]] = []
-_LOGSUMEXP_CHUNK_ELEMENTS = 1 << 24  # logits per logsumexp call in the prepass (64 MiB in fp32)
 
 
 class UnsupportedEngineError(RuntimeError):
@@ -69,12 +124,14 @@ class PrepassResult:
     """Outcome of one optimizer step's prepass and selection.
 
     ``selection.mask`` is (batch, response_len) bool over this rank's minibatch,
-    in its original sample order.
+    in its original sample order. ``optimizer_states_offloaded``: the optimizer states
+    were moved off the device for the prepass (see :func:`optimizer_states_off_device`).
     """
 
     selection: KLCovSelection
     prepass_seconds: float
     selection_seconds: float
+    optimizer_states_offloaded: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,6 +200,10 @@ def _train_batch_with_prepass(original: Callable, engine: BaseEngine, data: Tens
     settings = read_settings(actor_config)
     require_supported_engine(engine)
 
+    started = time.perf_counter()
+    # verl's train_batch starts with this very call (set_to_none): made before the prepass, it frees
+    # the previous step's gradients for it instead of after it.
+    engine.optimizer_zero_grad()
     prepass = run_prepass_and_select(engine, data, settings)
     for observer in list(_SELECTION_OBSERVERS):
         observer(engine, prepass)
@@ -153,11 +214,14 @@ def _train_batch_with_prepass(original: Callable, engine: BaseEngine, data: Tens
         )
     finally:
         del data[MASK_KEY]
+    step_seconds = time.perf_counter() - started
     if isinstance(outputs, dict) and isinstance(outputs.get("metrics"), dict):
-        outputs["metrics"][f"{METRIC_PREFIX}prepass_seconds"] = Metric(AggregationType.MEAN, prepass.prepass_seconds)
-        outputs["metrics"][f"{METRIC_PREFIX}selection_seconds"] = Metric(
-            AggregationType.MEAN, prepass.selection_seconds
-        )
+        plugin_seconds = prepass.prepass_seconds + prepass.selection_seconds
+        outputs["metrics"].update({
+            f"{METRIC_PREFIX}prepass_seconds": Metric(AggregationType.MEAN, prepass.prepass_seconds),
+            f"{METRIC_PREFIX}selection_seconds": Metric(AggregationType.MEAN, prepass.selection_seconds),
+            f"{METRIC_PREFIX}prepass_share": Metric(AggregationType.MEAN, plugin_seconds / max(step_seconds, 1e-12)),
+        })
     return outputs
 
 
@@ -188,6 +252,11 @@ def _loss_with_mask_slice(loss_function: Callable, figures: dict, *args, **kwarg
 
 def _policy_loss_with_mask_slice(loss_function: Callable, figures: dict, model_output, data: TensorDict,
                                  dp_group=None):
+    """``(loss, metrics)`` of verl's loss on this micro-batch, plus :data:`SELECTED_IN_MICRO_BATCH`.
+
+    verl wraps a policy loss's plain metrics as ``Metric(MEAN)`` (``ppo_loss``); this sets the
+    micro-batch count explicitly with that aggregation, so its meaning does not rest on a default.
+    """
     if MASK_KEY not in data.keys():
         raise RuntimeError(
             f"micro-batch lost the per-token field {MASK_KEY!r} on its way from the minibatch: verl's micro-batch "
@@ -196,7 +265,9 @@ def _policy_loss_with_mask_slice(loss_function: Callable, figures: dict, model_o
     # Same conversion verl's ppo_loss applies to response_mask, so the shapes match.
     mask = data.select("response_mask", MASK_KEY).to_padded_tensor()[MASK_KEY].bool()
     with provide_kl_cov_mask(mask, figures):
-        return loss_function(model_output=model_output, data=data, dp_group=dp_group)
+        loss, metrics = loss_function(model_output=model_output, data=data, dp_group=dp_group)
+    metrics[SELECTED_IN_MICRO_BATCH] = Metric(AggregationType.MEAN, float(mask.sum().item()))
+    return loss, metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,26 +277,80 @@ def _policy_loss_with_mask_slice(loss_function: Callable, figures: dict, model_o
 def run_prepass_and_select(engine: BaseEngine, data: TensorDict, settings: KLCovGlobalSettings) -> PrepassResult:
     """No-grad log-probs of the whole minibatch, then one selection over it and the DP group."""
     started = time.perf_counter()
-    log_probs = compute_prepass_log_probs(engine, data, settings.prepass_layout)
+    with torch.profiler.record_function(PREPASS_RECORD_NAME):
+        with optimizer_states_off_device(engine, settings.prepass_layout) as offloaded:
+            log_probs = compute_prepass_log_probs(engine, data, settings.prepass_layout)
     response_mask = padded(data["response_mask"])
     advantages = padded(data["advantages"]).to(log_probs.device)
     log_probs = fit_width(log_probs, response_mask.shape[1])
     selected_at = time.perf_counter()
     group = engine.get_data_parallel_group() if dist.is_available() and dist.is_initialized() else None
-    selection = select_kl_cov_tokens(
-        advantages, log_probs, response_mask.to(log_probs.device), settings.kl_cov_ratio, group=group
-    )
+    with torch.profiler.record_function(SELECTION_RECORD_NAME):
+        selection = select_kl_cov_tokens(
+            advantages, log_probs, response_mask.to(log_probs.device), settings.kl_cov_ratio, group=group
+        )
     finished = time.perf_counter()
     return PrepassResult(
-        selection=selection, prepass_seconds=selected_at - started, selection_seconds=finished - selected_at
+        selection=selection, prepass_seconds=selected_at - started, selection_seconds=finished - selected_at,
+        optimizer_states_offloaded=offloaded,
     )
 
 
-def prepass_micro_batching(engine: BaseEngine, data: TensorDict, layout: str) -> dict[str, Any]:
-    """Non-tensor micro-batch keys of the prepass for ``layout`` ("infer" or "train")."""
-    use_dynamic_bsz = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
+@contextlib.contextmanager
+def optimizer_states_off_device(engine: BaseEngine, layout: str) -> Iterator[bool]:
+    """Keep an offloaded optimizer's states on the host during an ``infer``-layout prepass; yields whether it did.
+
+    With ``optimizer_offload=True`` verl's train-mode context has loaded the states onto the
+    device before the step, while verl's ``compute_log_prob`` runs without them. For the
+    ``infer`` layout (the log-prob budget, often larger than the training one) they are moved
+    to the host with verl's ``engine.to(device="cpu", model=False, optimizer=True, grad=False)``
+    and back with ``engine.to(device=<device>, ...)``, the calls verl's context makes: two
+    copies of this rank's optimizer-state shard per optimizer step. Nothing moves when
+    offloading is off (the states are on the device in ``compute_log_prob`` as well), for the
+    ``train`` layout (its forwards are the training micro-batches' forwards without autograd),
+    or when no state tensor is on the device (none yet before the first step, or the caller
+    keeps them on the host).
+    """
+    from verl.utils.device import get_device_name
+
+    device = get_device_name()
+    optimizer = getattr(engine, "optimizer", None)
+    move = (
+        layout == "infer"
+        and bool(getattr(engine, "is_optimizer_offload_enabled", False))
+        and optimizer is not None
+        and any(value.device.type == device for value in _optimizer_state_tensors(optimizer))
+    )
+    if not move:
+        yield False
+        return
+    engine.to(device="cpu", model=False, optimizer=True, grad=False)
+    try:
+        yield True
+    finally:
+        engine.to(device=device, model=False, optimizer=True, grad=False)
+
+
+def _optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+def prepass_forward_batches(engine: BaseEngine, data: TensorDict, layout: str) -> list[TensorDict]:
+    """The batches the prepass hands to ``engine.infer_batch``, one call each, with their micro-batch keys.
+
+    Sets those keys on ``data`` itself: pass the prepass's own shallow copy, never the training batch.
+    ``layout="train"``: ``[data]`` with its own (training) keys. ``"infer"``, dynamic batching:
+    ``[data]`` with ``max_token_len_per_gpu = infer_max_token_len_per_gpu``. ``"infer"``, static:
+    ``ceil(rows / infer_micro_batch_size_per_gpu)`` forwards (agreed over the DP group, see
+    :func:`static_prepass_chunk_sizes`); ``[data]`` with that micro-batch size when the rows split
+    evenly, else one consecutive chunk of rows per forward, each its own single micro-batch.
+    """
     if layout == "train":
-        return {}
+        return [data]
+    use_dynamic_bsz = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
     engine_config = engine.engine_config
     if use_dynamic_bsz:
         if engine_config.infer_max_token_len_per_gpu is None:
@@ -234,22 +359,62 @@ def prepass_micro_batching(engine: BaseEngine, data: TensorDict, layout: str) ->
                 "set: set actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu, or "
                 "actor_rollout_ref.actor.policy_loss.prepass_layout=train"
             )
-        return {"max_token_len_per_gpu": engine_config.infer_max_token_len_per_gpu}
+        tu.assign_non_tensor(data, max_token_len_per_gpu=engine_config.infer_max_token_len_per_gpu)
+        return [data]
     if engine_config.infer_micro_batch_size_per_gpu is None:
         raise ValueError(
             "kl_cov_global's prepass uses the log-prob inference layout, but infer_micro_batch_size_per_gpu is not "
             "set: set actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu, or "
             "actor_rollout_ref.actor.policy_loss.prepass_layout=train"
         )
-    return {"micro_batch_size_per_gpu": largest_divisor_at_most(len(data), engine_config.infer_micro_batch_size_per_gpu)}
+    group = engine.get_data_parallel_group() if dist.is_available() and dist.is_initialized() else None
+    sizes = static_prepass_chunk_sizes(len(data), engine_config.infer_micro_batch_size_per_gpu, group)
+    if len(set(sizes)) == 1:
+        tu.assign_non_tensor(data, micro_batch_size_per_gpu=sizes[0])
+        return [data]
+    chunks, start = [], 0
+    for size in sizes:
+        chunk = tu.index_select_tensor_dict(data, list(range(start, start + size)))
+        tu.assign_non_tensor(chunk, micro_batch_size_per_gpu=size)
+        chunks.append(chunk)
+        start += size
+    return chunks
+
+
+def static_prepass_chunk_sizes(rows: int, size: int, group=None) -> list[int]:
+    """Row counts of the static prepass's forwards: ``n = ceil(rows / size)`` of them, differing by at most one.
+
+    With a process group, ``n`` is the maximum over its ranks (one all-reduce of two integers),
+    since every forward all-gathers FSDP parameters on every rank. A rank with fewer than ``n``
+    rows would need an empty forward: then every rank raises the same ``ValueError``.
+    """
+    if size < 1:
+        raise ValueError(f"log-prob micro-batch size must be >= 1, got {size}")
+    count = max(1, math.ceil(rows / size))
+    fewest_rows, most_rows = rows, rows
+    if group is not None and dist.get_world_size(group) > 1:
+        from verl.utils.device import get_device_id
+
+        agreed = torch.tensor([count, -rows, rows], dtype=torch.int64, device=get_device_id())
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        count, fewest_rows, most_rows = int(agreed[0]), -int(agreed[1]), int(agreed[2])
+    if fewest_rows < count:
+        raise ValueError(
+            f"kl_cov_global's static prepass runs the same number of forwards on every data-parallel rank (each "
+            f"all-gathers FSDP parameters): {count} forwards of at most {size} rows "
+            f"(log_prob_micro_batch_size_per_gpu), but the ranks hold between {fewest_rows} and {most_rows} rows. "
+            "Give every rank the same number of rows (verl's minibatch split does), or use dynamic batching "
+            "(use_dynamic_bsz=True)"
+        )
+    base, extra = divmod(rows, count)
+    return [base + 1] * extra + [base] * (count - extra)
 
 
 def largest_divisor_at_most(rows: int, limit: int) -> int:
-    """The largest micro-batch size <= ``limit`` that divides ``rows``.
+    """The largest micro-batch size <= ``limit`` that divides ``rows`` (verl's static split needs a divisor).
 
-    verl's static micro-batching asserts that the size divides the batch; verl only applies
-    the inference size to a whole compute_log_prob batch, but the prepass applies it to one
-    optimizer minibatch, which can be smaller than or not a multiple of it.
+    Not used by the prepass (see :func:`static_prepass_chunk_sizes`); the experiment uses it for
+    training micro-batch sizes.
     """
     return max(size for size in range(1, max(1, min(rows, limit)) + 1) if rows % size == 0)
 
@@ -258,10 +423,11 @@ def compute_prepass_log_probs(engine: BaseEngine, data: TensorDict, layout: str)
     """Current-policy log-probs of every response token of ``data``: (batch, max_response_len), padded.
 
     A no-grad forward in eval mode (no dropout) that computes only log-probs: no
-    entropy, no distillation; the module's mode and the CPU/device RNG states are
-    restored afterwards, so the training step that follows is unchanged. (verl's kl_cov
-    scores tokens with the training forward's train-mode log-probs; the two differ only
-    for models with active dropout or router noise.)
+    entropy, no distillation, micro-batched by :func:`prepass_forward_batches`; the module's
+    mode and the CPU/device RNG states are restored afterwards, so the training step that
+    follows is unchanged. (verl's kl_cov scores tokens with the training forward's train-mode
+    log-probs; the two differ only for models with active dropout or router noise.)
+    Mode-agnostic: it knows nothing of the loss or the selection.
     """
     prepass_data = data.copy()  # shallow: new keys here do not reach the training step
     tu.assign_non_tensor(
@@ -270,22 +436,26 @@ def compute_prepass_log_probs(engine: BaseEngine, data: TensorDict, layout: str)
         calculate_sum_pi_squared=False,
         distillation_use_topk=False,
         distillation_only=False,
-        **prepass_micro_batching(engine, data, layout),
     )
+    batches = prepass_forward_batches(engine, prepass_data, layout)
+    width = padded(data["response_mask"]).shape[1]
     module = engine.module
     was_training = module.training
+    parts = []
     with preserved_rng_states(), batched_logsumexp():
         module.eval()
         try:
-            output = engine.infer_batch(prepass_data, loss_function=None)
+            for batch in batches:
+                output = engine.infer_batch(batch, loss_function=None)
+                parts.append(fit_width(no_padding_2_padding(output["model_output"]["log_probs"], batch), width))
         finally:
             module.train(was_training)
-    return no_padding_2_padding(output["model_output"]["log_probs"], prepass_data)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @contextlib.contextmanager
 def batched_logsumexp() -> Iterator[None]:
-    """PATCH ``prepass_batched_logsumexp``: no-grad float32/64 log-probs with one logsumexp per chunk of rows."""
+    """PATCH ``prepass_batched_logsumexp``: no-grad float32/64 log-probs of all rows at once, in place in the logits."""
     import verl.utils.torch_functional as verl_F
 
     original = verl_F.logprobs_from_logits_v2
@@ -295,23 +465,33 @@ def batched_logsumexp() -> Iterator[None]:
             "was expected. Pin verl==0.9.1 or update the plugin."
         )
 
-    def logprobs_from_logits_chunked(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def logprobs_from_logits_batched(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         exact_dtype = logits.dtype in (torch.float32, torch.float64)  # verl's bf16/fp16 path stays untouched
-        # CPU only: there one batched reduction is bit-identical to verl's per-row loop (tested);
-        # an accelerator's reduction order may differ in the last bit.
-        on_cpu = logits.device.type == "cpu"
-        if torch.is_grad_enabled() or not exact_dtype or not on_cpu or logits.dim() < 2 or not logits.shape[0]:
+        if (torch.is_grad_enabled() or not exact_dtype or logits.dim() < 2 or not logits.shape[0]
+                or not logits.is_contiguous()):
             return original(logits, labels)
-        logits_labels = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
-        rows = max(1, _LOGSUMEXP_CHUNK_ELEMENTS // max(1, logits[0].numel()))
-        logsumexp_values = torch.cat([torch.logsumexp(chunk, dim=-1) for chunk in logits.split(rows)])
-        return logits_labels - logsumexp_values
+        return log_probs_in_place(logits, labels)
 
-    verl_F.logprobs_from_logits_v2 = logprobs_from_logits_chunked
+    verl_F.logprobs_from_logits_v2 = logprobs_from_logits_batched
     try:
         yield
     finally:
         verl_F.logprobs_from_logits_v2 = original
+
+
+@torch.no_grad()
+def log_probs_in_place(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``logits[..., label] - logsumexp(logits, -1)`` over all rows at once; overwrites ``logits``.
+
+    ``logits`` (..., vocab) float, ``labels`` (...) int: returns (...). The same operations as
+    ``torch.logsumexp`` (max, infinite maxima set to 0, exp of the difference, sum, log, add the
+    max), done in place so that only per-row vectors are allocated.
+    """
+    label_logits = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
+    maxima = torch.amax(logits, dim=-1, keepdim=True)
+    maxima.masked_fill_(maxima.abs() == math.inf, 0)
+    sums = logits.sub_(maxima).exp_().sum(dim=-1)
+    return label_logits - sums.log_().add_(maxima.squeeze(-1))
 
 
 @contextlib.contextmanager
