@@ -22,37 +22,14 @@ from verl_klcov_global.selection.keys import (
     token_keys,
 )
 
-from .batches import random_minibatch
+from .batches import CLIP_COV_KNOBS as KNOBS
+from .batches import clip_cov_inputs, reference_candidates
 
-KNOBS = dict(clip_cov_ratio=0.05, clip_cov_lb=0.5, clip_cov_ub=4.0, clip_ratio_low=0.2, clip_ratio_high=0.28, seed=0)
 P_VALUE_FLOOR = 1e-3  # deterministic seeds: a uniform sampler passes or fails the same way every run
-
-
-def clip_cov_inputs(seed, batch=12, length=20, *, noise=0.1, min_len=1, prompt_len=5):
-    """advantages, log_probs, old_log_probs, response_mask (batch, length); token_ids (batch, prompt+length)."""
-    advantages, log_probs, response_mask = random_minibatch(seed, batch, length, min_len=min_len)
-    gen = torch.Generator().manual_seed(seed + 1)
-    old_log_probs = (log_probs + noise * torch.randn(log_probs.shape, generator=gen)) * response_mask
-    prompts = torch.randint(3, 500, (batch, prompt_len), generator=gen)
-    responses = torch.randint(3, 500, (batch, length), generator=gen) * response_mask
-    token_mask = torch.cat([torch.ones(batch, prompt_len, dtype=torch.bool), response_mask], dim=1)
-    return dict(advantages=advantages, log_probs=log_probs, old_log_probs=old_log_probs,
-                response_mask=response_mask, token_ids=torch.cat([prompts, responses], dim=1), token_mask=token_mask)
 
 
 def select(inputs, **knobs):
     return select_clip_cov_tokens(**inputs, **{**KNOBS, **knobs})
-
-
-def reference_candidates(inputs, lb, ub, low, high):
-    """Candidates by the definition, in float64 from scratch: valid, not PPO-clipped, lb < cov < ub."""
-    a, lp, old, m = (inputs[k] for k in ("advantages", "log_probs", "old_log_probs", "response_mask"))
-    valid = m.bool() & a.isfinite() & lp.isfinite() & old.isfinite()
-    ratio = torch.exp(lp - old)
-    clipped = (-a * torch.clamp(ratio, 1 - low, 1 + high)) > (-a * ratio)
-    a64, lp64 = a.double(), lp.double()
-    cov = (a64 - a64[valid].mean()) * (lp64 - lp64[valid].mean())
-    return valid & ~clipped & (cov > lb) & (cov < ub), valid, clipped & valid, cov
 
 
 def upstream_clip_cov_selection(advantages, log_probs, old_log_probs, response_mask, ratio, lb, ub, low, high):

@@ -119,7 +119,8 @@ def test_ranks_disagreeing_on_the_ratio_all_raise_instead_of_hanging():
 
 def _clip_cov_cases():
     """(name, inputs of the whole minibatch, knobs, rows on rank 0)."""
-    from .test_selection_clip_cov import KNOBS, clip_cov_inputs
+    from .batches import CLIP_COV_KNOBS as KNOBS
+    from .batches import clip_cov_inputs
 
     cases = []
     for seed in range(24):
@@ -146,7 +147,7 @@ def _clip_cov_cases():
 def _run_clip_cov_cases(rank, world_size, port):
     from verl_klcov_global.selection import select_clip_cov_tokens
 
-    from .test_selection_clip_cov import reference_candidates
+    from .batches import reference_candidates
 
     init_process_group_cpu(rank, world_size, port)
     counting = _CountingDist()

@@ -174,7 +174,8 @@ def select_clip_cov_tokens(
             is response position ``t`` (right-padded responses).
         token_ids: (batch, length) integer ids identifying each sequence (verl's
             ``input_ids``: prompt + response), only hashed; ``token_mask`` (same shape, bool)
-            marks the real tokens (None: all).
+            marks the real tokens (None: all). They may live on another device (the host):
+            only the rows holding candidates are moved, and only when a draw is needed.
         clip_cov_ratio, clip_cov_lb, clip_cov_ub: upstream's knobs (see module docstring).
         clip_ratio_low, clip_ratio_high: the PPO clip range.
         seed: ``clip_cov_seed``, an integer in [0, 2**53).
@@ -228,12 +229,13 @@ def select_clip_cov_tokens(
     else:
         rows, columns = candidates.nonzero(as_tuple=True)  # row-major: ties keep (row, position) order
         hashed_rows, row_of = torch.unique(rows, return_inverse=True)
-        token_mask_rows = None if token_mask is None else token_mask[hashed_rows.to(token_mask.device)]
-        high_half, low_half = sequence_hashes(token_ids[hashed_rows.to(token_ids.device)], token_mask_rows)
-        row_of = row_of.to(high_half.device)
-        keys = token_keys(seed, (high_half[row_of], low_half[row_of]), columns.to(high_half.device))
+        # only the rows with candidates are hashed, on the inputs' device (token ids may live on the host)
+        row_ids = token_ids[hashed_rows.to(token_ids.device)].to(rows.device)
+        row_mask = None if token_mask is None else token_mask[hashed_rows.to(token_mask.device)].to(rows.device)
+        high_half, low_half = sequence_hashes(row_ids, row_mask)
+        keys = token_keys(seed, (high_half[row_of], low_half[row_of]), columns)
         top = select_largest_keys(keys, torch.ones_like(keys, dtype=torch.bool), k, num_candidates, group)
-        chosen = top.mask.to(rows.device)
+        chosen = top.mask
         mask = torch.zeros_like(candidates)
         mask[rows[chosen], columns[chosen]] = True
         rounds = top.rounds
