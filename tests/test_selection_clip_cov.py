@@ -292,5 +292,9 @@ def test_mismatched_shapes_raise():
     inputs = clip_cov_inputs(0, 3, 4)
     with pytest.raises(ValueError, match="same shape"):
         select({**inputs, "old_log_probs": inputs["old_log_probs"][:, :3]})
-    with pytest.raises(ValueError, match=r"token_ids must be \(batch=3, length\)"):
+    with pytest.raises(ValueError, match=r"token_ids must be integer \(batch=3, length\)"):
         select({**inputs, "token_ids": inputs["token_ids"][:2], "token_mask": inputs["token_mask"][:2]})
+    with pytest.raises(ValueError, match=r"token_ids must be integer"):
+        select({**inputs, "token_ids": inputs["token_ids"].float()})
+    with pytest.raises(ValueError, match=r"token_mask must have the shape of token_ids"):
+        select({**inputs, "token_mask": inputs["token_mask"][:, 1:]})

@@ -198,8 +198,13 @@ def select_clip_cov_tokens(
             f"(batch, response_len); got {tuple(advantages.shape)}, {tuple(log_probs.shape)}, "
             f"{tuple(old_log_probs.shape)}, {tuple(response_mask.shape)}"
         )
-    if token_ids.dim() != 2 or token_ids.shape[0] != shape[0]:
-        raise ValueError(f"token_ids must be (batch={shape[0]}, length), got {tuple(token_ids.shape)}")
+    # checked here, before any collective: a rank raising later, in the draw, would leave the others waiting
+    if token_ids.dim() != 2 or token_ids.shape[0] != shape[0] or token_ids.is_floating_point():
+        raise ValueError(f"token_ids must be integer (batch={shape[0]}, length), got {token_ids.dtype} "
+                         f"{tuple(token_ids.shape)}")
+    if token_mask is not None and token_mask.shape != token_ids.shape:
+        raise ValueError(f"token_mask must have the shape of token_ids {tuple(token_ids.shape)}, "
+                         f"got {tuple(token_mask.shape)}")
 
     a, lp, old = (x.detach() if x.is_floating_point() else x.detach().to(torch.float64)
                   for x in (advantages, log_probs, old_log_probs))
