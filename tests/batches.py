@@ -1,4 +1,4 @@
-"""Random (batch, response_len) tensors shaped like a PPO minibatch, for the pure tests."""
+"""Random (batch, response_len) tensors shaped like a PPO minibatch, for the pure tests (kl_cov and clip_cov)."""
 
 from __future__ import annotations
 
@@ -34,3 +34,30 @@ def boundary_gap(advantages, log_probs, response_mask, ratio):
     if k >= len(cov):
         return math.inf
     return float((cov[k - 1] - cov[k]) / cov.abs().max().clamp_min(1e-30))
+
+
+CLIP_COV_KNOBS = dict(clip_cov_ratio=0.05, clip_cov_lb=0.5, clip_cov_ub=4.0, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                      seed=0)
+
+
+def clip_cov_inputs(seed, batch=12, length=20, *, noise=0.1, min_len=1, prompt_len=5):
+    """advantages, log_probs, old_log_probs, response_mask (batch, length); token_ids (batch, prompt+length)."""
+    advantages, log_probs, response_mask = random_minibatch(seed, batch, length, min_len=min_len)
+    gen = torch.Generator().manual_seed(seed + 1)
+    old_log_probs = (log_probs + noise * torch.randn(log_probs.shape, generator=gen)) * response_mask
+    prompts = torch.randint(3, 500, (batch, prompt_len), generator=gen)
+    responses = torch.randint(3, 500, (batch, length), generator=gen) * response_mask
+    token_mask = torch.cat([torch.ones(batch, prompt_len, dtype=torch.bool), response_mask], dim=1)
+    return dict(advantages=advantages, log_probs=log_probs, old_log_probs=old_log_probs,
+                response_mask=response_mask, token_ids=torch.cat([prompts, responses], dim=1), token_mask=token_mask)
+
+
+def reference_candidates(inputs, lb, ub, low, high):
+    """Candidates by the definition, in float64 from scratch: valid, not PPO-clipped, lb < cov < ub."""
+    a, lp, old, m = (inputs[k] for k in ("advantages", "log_probs", "old_log_probs", "response_mask"))
+    valid = m.bool() & a.isfinite() & lp.isfinite() & old.isfinite()
+    ratio = torch.exp(lp - old)
+    clipped = (-a * torch.clamp(ratio, 1 - low, 1 + high)) > (-a * ratio)
+    a64, lp64 = a.double(), lp.double()
+    cov = (a64 - a64[valid].mean()) * (lp64 - lp64[valid].mean())
+    return valid & ~clipped & (cov > lb) & (cov < ub), valid, clipped & valid, cov

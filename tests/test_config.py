@@ -7,7 +7,15 @@ import math
 import pytest
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
-from verl_klcov_global.config import KLCovGlobalPolicyLossConfig, is_kl_cov_global, read_settings
+from verl_klcov_global.config import (
+    DEFAULT_CLIP_COV_SEED,
+    ClipCovGlobalPolicyLossConfig,
+    KLCovGlobalPolicyLossConfig,
+    global_loss_mode,
+    is_kl_cov_global,
+    read_clip_cov_settings,
+    read_settings,
+)
 
 
 def actor(**policy_loss):
@@ -43,3 +51,75 @@ def test_plugin_config_dataclass_validates_on_construction():
         KLCovGlobalPolicyLossConfig(prepass_layout="micro")
     with pytest.raises(ValueError, match="kl_cov_ratio"):
         KLCovGlobalPolicyLossConfig(kl_cov_ratio=2.0)
+
+
+@pytest.mark.parametrize("key,value", [("kl_cov_ratio", True), ("kl_cov_ratio", "0.002"), ("ppo_kl_coef", False),
+                                       ("ppo_kl_coef", "1.0")])
+def test_kl_cov_knobs_reject_booleans_and_strings(key, value):
+    with pytest.raises(ValueError, match=f"{key} must be finite.*policy_loss.{key}"):
+        read_settings(actor(**{key: value}))
+
+
+# ---------------------------------------------------------------------------------------------
+# clip_cov_global
+
+
+def clip_actor(policy_loss=None, **actor_kwargs):
+    policy_loss = policy_loss if policy_loss is not None else PolicyLossConfig(loss_mode="clip_cov_global")
+    return ActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+                       policy_loss=policy_loss, **actor_kwargs)
+
+
+def test_clip_cov_defaults_are_verls_and_the_seed_is_0():
+    settings = read_clip_cov_settings(clip_actor(clip_ratio_low=0.2, clip_ratio_high=0.28))
+    assert (settings.clip_cov_ratio, settings.clip_cov_lb, settings.clip_cov_ub) == (0.0002, 1.0, 5.0)
+    assert (settings.clip_cov_seed, settings.prepass_layout) == (DEFAULT_CLIP_COV_SEED, "infer") == (0, "infer")
+    assert (settings.clip_ratio_low, settings.clip_ratio_high) == (0.2, 0.28)
+    assert global_loss_mode(clip_actor()) == "clip_cov_global" and not is_kl_cov_global(clip_actor())
+    assert global_loss_mode(actor()) == "kl_cov_global"
+
+
+def test_clip_ratios_fall_back_to_clip_ratio_like_upstream():
+    settings = read_clip_cov_settings(clip_actor(clip_ratio=0.3, clip_ratio_low=None, clip_ratio_high=None))
+    assert (settings.clip_ratio_low, settings.clip_ratio_high) == (0.3, 0.3)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(clip_cov_ratio=0), r"clip_cov_ratio must be finite and in \(0, 1\].*policy_loss.clip_cov_ratio, e.g. =0.0002"),
+    (dict(clip_cov_ratio=1.5), r"clip_cov_ratio must be finite and in \(0, 1\]"),
+    (dict(clip_cov_ratio=math.nan), r"clip_cov_ratio must be finite"),
+    (dict(clip_cov_ratio=True), r"clip_cov_ratio must be finite"),
+    (dict(clip_cov_ratio="0.1"), r"clip_cov_ratio must be finite"),
+    (dict(clip_cov_lb=5.0, clip_cov_ub=1.0), r"clip_cov_lb must be below clip_cov_ub.*policy_loss.clip_cov_lb, e.g. =1.0"),
+    (dict(clip_cov_lb=math.inf), r"clip_cov_lb must be a finite number.*policy_loss.clip_cov_lb, e.g. =1.0"),
+    (dict(clip_cov_ub=math.nan), r"clip_cov_ub must be a finite number.*policy_loss.clip_cov_ub, e.g. =5.0"),
+    (dict(clip_cov_ub=True), r"clip_cov_ub must be a finite number"),
+])
+def test_bad_clip_cov_knobs(fields, match):
+    with pytest.raises(ValueError, match=match):
+        read_clip_cov_settings(clip_actor(PolicyLossConfig(loss_mode="clip_cov_global", **fields)))
+    with pytest.raises(ValueError, match=match):
+        ClipCovGlobalPolicyLossConfig(**fields)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**53, 0.5, True, "1"])
+def test_bad_clip_cov_seed(seed):
+    with pytest.raises(ValueError, match=r"clip_cov_seed must be an integer in \[0, 2\*\*53\).*policy_loss.clip_cov_seed"):
+        ClipCovGlobalPolicyLossConfig(clip_cov_seed=seed)
+
+
+def test_bad_clip_ratio_for_clip_cov_global():
+    with pytest.raises(ValueError, match=r"clip_ratio_high must be finite and >= 0.*actor_rollout_ref.actor.clip_ratio_high"):
+        read_clip_cov_settings(clip_actor(clip_ratio_high=-0.1))
+
+
+def test_clip_cov_config_dataclass():
+    config = ClipCovGlobalPolicyLossConfig(clip_cov_ratio=0.001, clip_cov_lb=0.5, clip_cov_ub=2.0, clip_cov_seed=7,
+                                           prepass_layout="train")
+    settings = read_clip_cov_settings(clip_actor(config))
+    assert (settings.clip_cov_ratio, settings.clip_cov_lb, settings.clip_cov_ub) == (0.001, 0.5, 2.0)
+    assert (settings.clip_cov_seed, settings.prepass_layout) == (7, "train")
+    with pytest.raises(ValueError, match="loss_mode=clip_cov_global, but loss_mode is 'vanilla'"):
+        ClipCovGlobalPolicyLossConfig(loss_mode="vanilla")
+    with pytest.raises(ValueError, match="prepass_layout must be one of"):
+        ClipCovGlobalPolicyLossConfig(prepass_layout="micro")

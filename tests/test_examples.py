@@ -11,10 +11,16 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 import verl
-from verl_klcov_global.config import KLCovGlobalPolicyLossConfig, read_settings
+from verl_klcov_global.config import (
+    ClipCovGlobalPolicyLossConfig,
+    KLCovGlobalPolicyLossConfig,
+    read_clip_cov_settings,
+    read_settings,
+)
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.sh"))
 VERL_CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+CONFIGS_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
 
 def example_overrides(script: Path) -> list[str]:
@@ -24,24 +30,68 @@ def example_overrides(script: Path) -> list[str]:
 
 
 def test_examples_exist():
-    assert {p.name for p in EXAMPLES} >= {"dapo_kl_cov_global.sh", "dapo_kl_cov_global_32b.sh"}
+    assert {p.name for p in EXAMPLES} >= {"dapo_kl_cov_global.sh", "dapo_kl_cov_global_32b.sh",
+                                          "dapo_clip_cov_global.sh", "dapo_clip_cov_global_32b.sh"}
+
+
+def validated_actor(config):
+    from verl.trainer.main_ppo import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    return omega_conf_to_dataclass(config.actor_rollout_ref.actor)
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_overrides_compose_and_validate(script):
-    from verl.trainer.main_ppo import need_critic, need_reference_policy
-    from verl.utils.config import omega_conf_to_dataclass, validate_config
-
     overrides = example_overrides(script)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=VERL_CONFIG_DIR, version_base=None):
         config = compose(config_name="ppo_trainer", overrides=overrides)
-    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
-    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
-    assert isinstance(actor.policy_loss, KLCovGlobalPolicyLossConfig)
-    settings = read_settings(actor)
-    expected_ratio = 0.0002 if "32b" in script.name else 0.002
-    assert settings.kl_cov_ratio == expected_ratio and settings.ppo_kl_coef == 1.0
+    actor = validated_actor(config)
+    if "clip_cov" in script.name:
+        assert isinstance(actor.policy_loss, ClipCovGlobalPolicyLossConfig)
+        settings = read_clip_cov_settings(actor)
+        assert (settings.clip_cov_ratio, settings.clip_cov_lb, settings.clip_cov_ub) == (0.0002, 1.0, 5.0)
+        assert (settings.clip_ratio_low, settings.clip_ratio_high, settings.clip_cov_seed) == (1.0, 1.0, 0)
+        assert actor.clip_ratio_c == 10.0
+    else:
+        assert isinstance(actor.policy_loss, KLCovGlobalPolicyLossConfig)
+        settings = read_settings(actor)
+        expected_ratio = 0.0002 if "32b" in script.name else 0.002
+        assert settings.kl_cov_ratio == expected_ratio and settings.ppo_kl_coef == 1.0
+    expected_tokens = 20480 if "32b" in script.name else 30720
+    assert actor.ppo_max_token_len_per_gpu == expected_tokens
     assert actor.loss_agg_mode == "token-mean" and actor.entropy_coeff == 0 and not actor.use_kl_loss
     assert actor.use_dynamic_bsz and actor.ppo_mini_batch_size == 32
     assert config.data.train_batch_size == 256 and config.actor_rollout_ref.rollout.n == 8
+
+
+def compose_config_file(name, overrides=()):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIGS_DIR, version_base=None):
+        return compose(config_name=name, overrides=["actor_rollout_ref.model.path=/m",
+                                                     "actor_rollout_ref.actor.use_dynamic_bsz=True", "algorithm.adv_estimator=grpo",
+                                                     *overrides])
+
+
+def test_clip_cov_global_yaml_selects_the_plugin_config_and_takes_overrides_without_plus():
+    actor = validated_actor(compose_config_file("clip_cov_global", [
+        "actor_rollout_ref.actor.policy_loss.clip_cov_seed=17", "actor_rollout_ref.actor.policy_loss.clip_cov_lb=0.5",
+        "actor_rollout_ref.actor.policy_loss.prepass_layout=train"]))
+    assert type(actor.policy_loss) is ClipCovGlobalPolicyLossConfig
+    settings = read_clip_cov_settings(actor)
+    assert (settings.clip_cov_ratio, settings.clip_cov_lb, settings.clip_cov_ub) == (0.0002, 0.5, 5.0)
+    assert (settings.clip_cov_seed, settings.prepass_layout) == (17, "train")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("clip_cov_seed=-1", r"clip_cov_seed must be an integer in \[0, 2\*\*53\).*policy_loss.clip_cov_seed"),
+    ("clip_cov_ub=0.5", r"clip_cov_lb must be below clip_cov_ub.*policy_loss.clip_cov_lb"),
+    ("clip_cov_ratio=0", r"clip_cov_ratio must be finite and in \(0, 1\].*policy_loss.clip_cov_ratio"),
+    ("loss_mode=kl_cov_global", r"loss_mode is 'kl_cov_global'.*policy_loss.loss_mode=clip_cov_global"),
+])
+def test_clip_cov_global_yaml_bad_values_fail_verls_validation(override, message):
+    config = compose_config_file("clip_cov_global", [f"actor_rollout_ref.actor.policy_loss.{override}"])
+    with pytest.raises(Exception, match=message):
+        validated_actor(config)

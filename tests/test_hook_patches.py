@@ -200,12 +200,13 @@ def _train_once(model_path, batch, loss_function, seen):
 
     engine.forward_backward_batch = recording
     before = _cpu.engine_params_flat(engine)
+    torch.manual_seed(0)  # clip_cov draws with torch.randperm: the same draw in both runs
     with engine.train_mode():
         output = engine.train_batch(batch.copy(), loss_function=loss_function)
     return before, _cpu.engine_params_flat(engine), output
 
 
-@pytest.mark.parametrize("mode", ["vanilla", "kl_cov"])
+@pytest.mark.parametrize("mode", ["vanilla", "kl_cov", "clip_cov"])
 def test_other_loss_modes_run_verls_train_batch_untouched(tiny_model_path, frozen_batch, mode, monkeypatch,
                                                           restore_hook):
     def no_prepass(*args, **kwargs):
@@ -227,7 +228,7 @@ def test_other_loss_modes_run_verls_train_batch_untouched(tiny_model_path, froze
     assert seen_plain == [(loss_function, False)]
     assert not torch.equal(initial, hooked), "the step did not move the parameters: nothing was compared"
     assert torch.equal(hooked, plain)
-    assert not any(k.startswith("actor/kl_cov/") for k in output["metrics"])
+    assert not any(k.startswith(("actor/kl_cov/", "actor/clip_cov/")) for k in output["metrics"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,13 +329,15 @@ class _RecordingEngine(BaseEngine):
         return None
 
 
+@pytest.mark.parametrize("mode", ["kl_cov_global", "clip_cov_global"])
 @pytest.mark.parametrize("strategy", [None, "megatron", "fsdp", "fsdp2"])
-def test_unsupported_engine_raises_before_any_forward(frozen_batch, strategy):
+def test_unsupported_engine_raises_before_any_forward(frozen_batch, strategy, mode):
     engine = _RecordingEngine(strategy)
     with pytest.raises(hook.UnsupportedEngineError) as raised:
-        engine.train_batch(frozen_batch.copy(), loss_function=loss_fn("kl_cov_global"))
+        engine.train_batch(frozen_batch.copy(), loss_function=loss_fn(mode))
     message = str(raised.value)
     assert "fsdp" in message and "fsdp2" in message and "_RecordingEngine" in message
+    assert f"loss_mode={mode} supports" in message and f"loss_mode={mode.removesuffix('_global')} " in message
     assert engine.calls == []
     # control: the same engine is reachable through verl's train_batch with any other loss mode
     engine.train_batch(frozen_batch.copy(), loss_function=loss_fn("kl_cov"))
@@ -483,5 +486,6 @@ def test_loss_wrapper_passes_distillation_logits_processor_calls_through():
         seen.append(sorted(kwargs))
         return "processed"
 
-    assert _loss_with_mask_slice(loss_function, {}, student_logits=torch.zeros(1), data=None) == "processed"
+    assert _loss_with_mask_slice(loss_function, {}, "actor/kl_cov/selected_in_micro_batch", student_logits=torch.zeros(1),
+                                 data=None) == "processed"
     assert seen == [["data", "student_logits"]]

@@ -337,7 +337,7 @@ def test_profiler_trace_names_the_prepass_and_the_selection_and_metrics_state_th
     assert 0 < share_value < 1
     assert plugin_seconds <= plugin_seconds / share_value <= outside  # the share of the wrapped call's time
 
-    per_micro_batch = metrics[hook.SELECTED_IN_MICRO_BATCH]
+    per_micro_batch = metrics[f"actor/kl_cov/{hook.SELECTED_IN_MICRO_BATCH}"]
     assert isinstance(per_micro_batch, Metric) and per_micro_batch.aggregation is AggregationType.MEAN
     assert len(per_micro_batch.values) == 2
     assert sum(per_micro_batch.values) == result.selection.num_selected > 0

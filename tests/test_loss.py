@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import unittest.mock
+
 import pytest
 import torch
 from hypothesis import assume, given, settings
@@ -9,7 +11,12 @@ from hypothesis import strategies as st
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
-from verl_klcov_global import KLCovMaskUnavailableError, provide_kl_cov_mask, select_kl_cov_tokens
+from verl_klcov_global import (
+    KLCovMaskUnavailableError,
+    provide_kl_cov_mask,
+    provide_selection_mask,
+    select_kl_cov_tokens,
+)
 
 from .batches import boundary_gap, random_minibatch
 
@@ -119,3 +126,106 @@ def test_plugin_install_records_a_hook_failure(monkeypatch):
     with pytest.raises(RuntimeError, match="verl changed"):
         plugin.install()
     assert "verl changed" in repr(loss._HOOK_INSTALL_ERROR)
+
+
+# ---------------------------------------------------------------------------------------------
+# clip_cov_global: verl's clip_cov objective on a provided mask
+
+
+def clip_cov_config(loss_mode, ratio=0.5, lb=0.2, ub=3.0, global_batch_info=None, low=0.2, high=0.28):
+    config = ActorConfig(
+        strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+        clip_ratio_low=low, clip_ratio_high=high,
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode, clip_cov_ratio=ratio, clip_cov_lb=lb, clip_cov_ub=ub),
+    )
+    config.global_batch_info.update(global_batch_info or {})
+    return config
+
+
+def clip_cov_selection(inputs, ratio, lb=0.2, ub=3.0, seed=0):
+    from verl_klcov_global import select_clip_cov_tokens
+
+    token_ids = torch.arange(inputs["advantages"].numel()).reshape(inputs["advantages"].shape)
+    return select_clip_cov_tokens(inputs["advantages"], inputs["log_prob"].detach(), inputs["old_log_prob"],
+                                  inputs["response_mask"], token_ids, clip_cov_ratio=ratio, clip_cov_lb=lb,
+                                  clip_cov_ub=ub, clip_ratio_low=0.2, clip_ratio_high=0.28, seed=seed)
+
+
+def upstream_draws(selected: torch.Tensor, candidates: torch.Tensor):
+    """A stand-in for torch.randperm that makes upstream clip_cov pick exactly ``selected`` first."""
+    order = torch.nonzero(candidates.reshape(-1)).flatten().tolist()
+    chosen = set(torch.nonzero(selected.reshape(-1)).flatten().tolist())
+    first = [i for i, flat in enumerate(order) if flat in chosen]
+    perm = torch.tensor(first + [i for i in range(len(order)) if i not in set(first)], dtype=torch.long)
+
+    def randperm(n, *args, **kwargs):
+        assert n == len(order), (n, len(order))
+        return perm
+
+    return randperm
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), agg_mode=st.sampled_from(LOSS_AGG_MODES), with_is=st.booleans(),
+       ratio=st.sampled_from([0.01, 0.05, 0.5]),
+       global_info=st.sampled_from([{}, {"dp_size": 1, "batch_num_tokens": 500, "global_batch_size": 12}]))
+def test_clip_cov_global_equals_verl_clip_cov_drawing_the_same_tokens(seed, agg_mode, with_is, ratio, global_info):
+    """Upstream's draw (torch.randperm) steered to our tokens: loss, gradient and metrics are verl's, bit for bit."""
+    from verl_klcov_global.selection import clip_cov_quota
+
+    from .batches import reference_candidates
+
+    inputs = loss_inputs(seed, with_is_weights=with_is)
+    selection = clip_cov_selection(inputs, ratio)
+    ref_inputs = dict(advantages=inputs["advantages"], log_probs=inputs["log_prob"].detach(),
+                      old_log_probs=inputs["old_log_prob"], response_mask=inputs["response_mask"])
+    candidates = reference_candidates(ref_inputs, 0.2, 3.0, 0.2, 0.28)[0]
+    assume(int(candidates.sum()) == selection.num_candidates)  # no token on the window's float32 edge
+    assert selection.quota == clip_cov_quota(int(inputs["response_mask"].sum()), ratio)
+    with unittest.mock.patch.object(torch, "randperm", upstream_draws(selection.mask, candidates)):
+        ref_loss, ref_grad, ref_metrics = loss_and_grad("clip_cov", inputs, agg_mode,
+                                                        clip_cov_config("clip_cov", ratio, global_batch_info=global_info))
+    with provide_selection_mask(selection.mask, selection.figures()):
+        loss, grad, metrics = loss_and_grad("clip_cov_global", inputs, agg_mode,
+                                            clip_cov_config("clip_cov_global", ratio, global_batch_info=global_info))
+    assert torch.equal(loss, ref_loss)
+    assert torch.equal(grad, ref_grad)
+    assert not grad[selection.mask].any()  # corr = 0: no gradient through the selected tokens
+    assert metrics["actor/pg_clipfrac"] == ref_metrics["actor/pg_clipfrac"]
+    assert metrics["actor/ppo_kl"] == ref_metrics["actor/ppo_kl"]
+    assert metrics["actor/clip_cov/clipped"] == selection.num_selected
+    assert metrics["actor/clip_cov/selected_in_micro_batch"] == selection.mask.sum().item()
+    for name in ("quota", "candidates", "valid_tokens", "nonfinite_tokens", "ppo_clipped"):
+        assert f"actor/clip_cov/{name}" in metrics
+
+
+def test_clip_cov_global_selected_tokens_still_count_in_the_denominator():
+    inputs = loss_inputs(4)
+    mask = inputs["response_mask"].clone()
+    mask[:, 1:] = False  # first token of every sequence
+    mask &= inputs["response_mask"]
+    config = clip_cov_config("clip_cov_global")
+    with provide_selection_mask(torch.zeros_like(mask)):
+        full, _, _ = loss_and_grad("clip_cov_global", inputs, "token-mean", config)
+    with provide_selection_mask(mask):
+        cut, _, metrics = loss_and_grad("clip_cov_global", inputs, "token-mean", config)
+    r = torch.exp(inputs["log_prob"].detach() - inputs["old_log_prob"])
+    a = inputs["advantages"]
+    per_token = torch.maximum(-a * r, -a * torch.clamp(r, 0.8, 1.28))
+    n = inputs["response_mask"].sum()
+    torch.testing.assert_close(cut, (per_token * (inputs["response_mask"] & ~mask)).sum() / n)
+    torch.testing.assert_close(full, (per_token * inputs["response_mask"]).sum() / n)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(float(mask.sum() / n))
+
+
+def test_clip_cov_global_without_a_mask_raises_with_the_fix():
+    from verl_klcov_global import ClipCovMaskUnavailableError, SelectionMaskUnavailableError
+
+    with pytest.raises(ClipCovMaskUnavailableError, match="loss_mode=clip_cov_global .*prepass hook is not active"):
+        get_policy_loss_fn("clip_cov_global")(**loss_inputs(0), config=clip_cov_config("clip_cov_global"))
+    assert issubclass(KLCovMaskUnavailableError, SelectionMaskUnavailableError)
+    assert provide_kl_cov_mask is provide_selection_mask  # the old name still works
+
+
+def test_clip_cov_global_is_registered():
+    assert "clip_cov_global" in POLICY_LOSS_REGISTRY

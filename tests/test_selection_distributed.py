@@ -111,3 +111,82 @@ def _disagreeing_ratios(rank, world_size, port):
 def test_ranks_disagreeing_on_the_ratio_all_raise_instead_of_hanging():
     messages = spawn(_disagreeing_ratios, 2)
     assert all(m is not None and "disagree on kl_cov_ratio" in m for m in messages), messages
+
+
+# ---------------------------------------------------------------------------------------------
+# Clip-Cov: the same sampled tokens on 2 ranks as on 1, also when a rank has no candidates
+
+
+def _clip_cov_cases():
+    """(name, inputs of the whole minibatch, knobs, rows on rank 0)."""
+    from .batches import CLIP_COV_KNOBS as KNOBS
+    from .batches import clip_cov_inputs
+
+    cases = []
+    for seed in range(24):
+        inputs = clip_cov_inputs(seed, 10, 14)
+        knobs = {**KNOBS, "clip_cov_ratio": [0.002, 0.01, 0.05, 0.5][seed % 4], "clip_cov_lb": 0.0,
+                 "seed": seed * 7919}
+        cases.append((f"random-{seed}", inputs, knobs, seed % 11))  # rank 0 holds 0..10 rows
+    inputs = clip_cov_inputs(77, 8, 14)
+    # rank 1: A > 0 and r = e > 1 + clip_ratio_high: every token PPO-clipped -> no candidates there
+    inputs["advantages"][4:] = inputs["advantages"][4:].abs() + 0.1
+    inputs["old_log_probs"][4:] = inputs["log_probs"][4:] - 1.0
+    cases.append(("rank1-without-candidates", inputs, {**KNOBS, "clip_cov_ratio": 0.01, "clip_cov_lb": 0.0}, 4))
+    inputs = clip_cov_inputs(78, 8, 14)
+    inputs["response_mask"][:4] = False  # rank 0: padding only
+    cases.append(("rank0-padding-only", inputs, {**KNOBS, "clip_cov_ratio": 0.01, "clip_cov_lb": 0.0}, 4))
+    inputs = clip_cov_inputs(79, 6, 14, min_len=14)
+    for key in inputs:
+        inputs[key][3] = inputs[key][2]  # the same sequence on both sides of the split: tied keys
+    cases.append(("duplicate-across-ranks", inputs, {**KNOBS, "clip_cov_ratio": 0.05, "clip_cov_lb": -1e9,
+                                                      "clip_cov_ub": 1e9}, 3))
+    return cases
+
+
+def _run_clip_cov_cases(rank, world_size, port):
+    from verl_klcov_global.selection import select_clip_cov_tokens
+
+    from .batches import reference_candidates
+
+    init_process_group_cpu(rank, world_size, port)
+    counting = _CountingDist()
+    collectives.dist = counting
+    results = []
+    for name, inputs, knobs, split in _clip_cov_cases():
+        reference = select_clip_cov_tokens(**inputs, **knobs)
+        rows = slice(0, split) if rank == 0 else slice(split, len(inputs["advantages"]))
+        counting.numbers = 0
+        sharded = select_clip_cov_tokens(**{k: v[rows] for k, v in inputs.items()}, **knobs, group=dist.group.WORLD)
+        results.append(dict(
+            name=name, equal=torch.equal(sharded.mask, reference.mask[rows]),
+            figures_equal=sharded.figures() == reference.figures(),
+            sampled=reference.num_selected < reference.num_candidates,
+            local_candidates=int(reference_candidates({k: v[rows] for k, v in inputs.items()}, knobs["clip_cov_lb"],
+                                                      knobs["clip_cov_ub"], 0.2, 0.28)[0].sum()),
+            numbers_sent=counting.numbers,
+        ))
+    collectives.dist = dist
+    try:  # ranks disagreeing on the seed all raise instead of hanging
+        select_clip_cov_tokens(**_clip_cov_cases()[0][1], **{**_clip_cov_cases()[0][2], "seed": rank},
+                               group=dist.group.WORLD)
+        disagreement = None
+    except ValueError as error:
+        disagreement = str(error)
+    dist.destroy_process_group()
+    return results, disagreement
+
+
+def test_clip_cov_two_ranks_give_the_single_process_sample_bit_for_bit():
+    per_rank = spawn(_run_clip_cov_cases, 2)
+    for rank_results, disagreement in per_rank:
+        assert disagreement is not None and "disagree on clip_cov_seed" in disagreement, disagreement
+        assert sum(r["sampled"] for r in rank_results) >= 10  # most cases draw (quota < candidates)
+        for result in rank_results:
+            assert result["equal"], result["name"]
+            assert result["figures_equal"], result["name"]
+            # 11 per-rank stats + 3 sums + 2 counts + <= 8 histograms of 256 bins + 1 last number
+            assert result["numbers_sent"] <= 11 + 3 + 2 + RADIX_ROUNDS * RADIX_BINS + 1, result
+    rank1 = {r["name"]: r for r in per_rank[1][0]}
+    assert rank1["rank1-without-candidates"]["sampled"] and rank1["rank1-without-candidates"]["local_candidates"] == 0
+    assert {r["name"]: r for r in per_rank[0][0]}["duplicate-across-ranks"]["sampled"]

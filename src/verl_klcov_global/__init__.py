@@ -1,29 +1,59 @@
-"""verl-klcov-global: KL-Cov whose token selection does not depend on memory settings.
+"""verl-klcov-global: KL-Cov and Clip-Cov whose token selection does not depend on memory settings.
 
-Registers the verl policy-loss mode ``kl_cov_global``: one KL-Cov selection per
-optimizer minibatch (and data-parallel group), computed by a no-grad prepass,
-instead of one per micro-batch. Select it with
-``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global``.
+Registers the verl policy-loss modes ``kl_cov_global`` and ``clip_cov_global``: one
+KL-Cov / Clip-Cov selection per optimizer minibatch (and data-parallel group), computed by a
+no-grad prepass, instead of one per micro-batch. Select one with
+``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global`` (or ``=clip_cov_global``).
 """
 
 import verl  # noqa: F401  (loads verl's entry-point plugins first, this one included)
 
-from .config import LOSS_MODE, MASK_KEY, KLCovGlobalPolicyLossConfig
-from .loss import KLCovMaskUnavailableError, compute_policy_loss_kl_cov_global, provide_kl_cov_mask
+from .config import (
+    CLIP_COV_LOSS_MODE,
+    LOSS_MODE,
+    MASK_KEY,
+    ClipCovGlobalPolicyLossConfig,
+    KLCovGlobalPolicyLossConfig,
+)
+from .loss import (
+    ClipCovMaskUnavailableError,
+    KLCovMaskUnavailableError,
+    SelectionMaskUnavailableError,
+    compute_policy_loss_clip_cov_global,
+    compute_policy_loss_kl_cov_global,
+    provide_kl_cov_mask,
+    provide_selection_mask,
+)
 from .plugin import install
-from .selection import KLCovSelection, kl_cov_quota, select_kl_cov_tokens
+from .selection import (
+    ClipCovSelection,
+    KLCovSelection,
+    clip_cov_quota,
+    kl_cov_quota,
+    select_clip_cov_tokens,
+    select_kl_cov_tokens,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CLIP_COV_LOSS_MODE",
     "LOSS_MODE",
     "MASK_KEY",
+    "ClipCovGlobalPolicyLossConfig",
+    "ClipCovMaskUnavailableError",
+    "ClipCovSelection",
     "KLCovGlobalPolicyLossConfig",
     "KLCovMaskUnavailableError",
     "KLCovSelection",
+    "SelectionMaskUnavailableError",
+    "clip_cov_quota",
+    "compute_policy_loss_clip_cov_global",
     "compute_policy_loss_kl_cov_global",
     "install",
     "kl_cov_quota",
     "provide_kl_cov_mask",
+    "provide_selection_mask",
+    "select_clip_cov_tokens",
     "select_kl_cov_tokens",
 ]

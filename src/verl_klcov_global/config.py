@@ -1,40 +1,65 @@
-"""Configuration of the ``kl_cov_global`` loss mode: names, knobs and their validation.
+"""Configuration of the ``kl_cov_global`` and ``clip_cov_global`` loss modes: names, knobs, validation.
 
 Everything a user can set lives in ``actor_rollout_ref.actor.policy_loss``:
 
-* ``loss_mode=kl_cov_global`` selects this plugin;
+* ``loss_mode=kl_cov_global`` or ``loss_mode=clip_cov_global`` selects this plugin;
 * ``kl_cov_ratio`` (finite, in (0, 1]) and ``ppo_kl_coef`` (finite, >= 0) mean
   what they mean for verl's ``kl_cov``;
-* ``prepass_layout`` (only with ``policy_loss._target_`` set to
-  :class:`KLCovGlobalPolicyLossConfig`): the micro-batch layout of the no-grad
-  prepass, ``"infer"`` (default: the engine's log-prob inference settings, so
-  the mask cannot depend on the training micro-batch size even in bf16) or
-  ``"train"`` (the training micro-batch settings, as verl PR #7830 does).
+* ``clip_cov_ratio`` (finite, in (0, 1]), ``clip_cov_lb`` < ``clip_cov_ub`` (finite) mean
+  what they mean for verl's ``clip_cov`` (defaults 0.0002, 1.0, 5.0, as verl's);
+  ``actor.clip_ratio_low`` / ``clip_ratio_high`` are the PPO clip range, as for ``clip_cov``;
+* ``clip_cov_seed`` (only with :class:`ClipCovGlobalPolicyLossConfig`; an integer in
+  [0, 2**53), default :data:`DEFAULT_CLIP_COV_SEED` = 0): the seed of Clip-Cov's draw. The
+  draw is a hash of (seed, sequence tokens, position), so every minibatch already gets its own
+  draw; change the seed to get a different, equally valid one (e.g. per run of a sweep);
+* ``prepass_layout`` (only with the plugin's config classes,
+  :class:`KLCovGlobalPolicyLossConfig` / :class:`ClipCovGlobalPolicyLossConfig`): the
+  micro-batch layout of the no-grad prepass, ``"infer"`` (default: the engine's log-prob
+  inference settings, so the mask cannot depend on the training micro-batch size even in bf16)
+  or ``"train"`` (the training micro-batch settings, as verl PR #7830 does).
   With dynamic batching the inference layout still depends on each rank's shard, so
   in bf16 (batch-shape-dependent log-probs) a different DP size can still move a
   near-tie; the training micro-batch size cannot.
+
+Numbers are read strictly: booleans and strings are rejected, never coerced.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from verl.workers.config.actor import PolicyLossConfig
 
-from .selection import validate_kl_cov_ratio
+from .selection import (
+    validate_clip_cov_ratio,
+    validate_clip_cov_seed,
+    validate_clip_cov_window,
+    validate_clip_ratio,
+    validate_kl_cov_ratio,
+)
+from .selection.knobs import finite_number, setting
 
 LOSS_MODE = "kl_cov_global"
-#: Per-token field of the minibatch TensorDict that carries the selection mask.
+CLIP_COV_LOSS_MODE = "clip_cov_global"
+#: Every loss mode whose selection the prepass hook makes.
+GLOBAL_LOSS_MODES = (LOSS_MODE, CLIP_COV_LOSS_MODE)
+#: Per-token field of the minibatch TensorDict that carries the selection mask (either mode).
 MASK_KEY = "kl_cov_global_mask"
-#: Prefix of every metric this plugin adds to verl's metrics dict.
+#: Prefix of every metric kl_cov_global adds to verl's metrics dict.
 METRIC_PREFIX = "actor/kl_cov/"
+#: Prefix of every metric clip_cov_global adds to verl's metrics dict.
+CLIP_COV_METRIC_PREFIX = "actor/clip_cov/"
 PREPASS_LAYOUTS = ("infer", "train")
+DEFAULT_CLIP_COV_SEED = 0
 
 # Upstream kl_cov's fallbacks when a field is None (verl 0.9.1 core_algos.py ~1884).
 _DEFAULT_RATIO = 0.0002
 _DEFAULT_COEF = 1.0
+# Upstream clip_cov's fallbacks when a field is None (verl 0.9.1 core_algos.py ~1790).
+_DEFAULT_CLIP_COV_RATIO = 0.0002
+_DEFAULT_CLIP_COV_LB = 1.0
+_DEFAULT_CLIP_COV_UB = 5.0
 
 
 @dataclass(frozen=True)
@@ -46,16 +71,25 @@ class KLCovGlobalSettings:
     prepass_layout: str
 
 
+@dataclass(frozen=True)
+class ClipCovGlobalSettings:
+    """Validated knobs of one actor config for ``clip_cov_global``."""
+
+    clip_cov_ratio: float
+    clip_cov_lb: float
+    clip_cov_ub: float
+    clip_cov_seed: int
+    clip_ratio_low: float
+    clip_ratio_high: float
+    prepass_layout: str
+
+
 def validate_ppo_kl_coef(coef: Any) -> float:
-    """Return ``coef`` as float if finite and >= 0, else raise ValueError."""
-    try:
-        value = float(coef)
-    except (TypeError, ValueError):
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
+    """Return ``coef`` as float if it is a finite number >= 0 (not a bool or a string), else raise ValueError."""
+    value = finite_number(coef)
+    if value is None or value < 0:
         raise ValueError(
-            f"ppo_kl_coef must be finite and >= 0, got {coef!r}; "
-            "set actor_rollout_ref.actor.policy_loss.ppo_kl_coef, e.g. =1.0 (the paper's value)"
+            f"ppo_kl_coef must be finite and >= 0, got {coef!r}; " + setting("ppo_kl_coef", "1.0 (the paper's value)")
         )
     return value
 
@@ -74,14 +108,23 @@ def _field(policy_loss: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def is_kl_cov_global(actor_config: Any) -> bool:
-    """True when an actor config (verl ``ActorConfig`` or a mapping like it) selects ``kl_cov_global``."""
+def global_loss_mode(actor_config: Any) -> Optional[str]:
+    """The actor config's loss mode if it is one of :data:`GLOBAL_LOSS_MODES`, else None.
+
+    ``actor_config``: verl ``ActorConfig`` or a mapping like it (None gives None).
+    """
     policy_loss = getattr(actor_config, "policy_loss", None)
     if policy_loss is None and hasattr(actor_config, "get"):
         policy_loss = actor_config.get("policy_loss", None)
     if policy_loss is None:
-        return False
-    return _field(policy_loss, "loss_mode", "vanilla") == LOSS_MODE
+        return None
+    mode = _field(policy_loss, "loss_mode", "vanilla")
+    return mode if mode in GLOBAL_LOSS_MODES else None
+
+
+def is_kl_cov_global(actor_config: Any) -> bool:
+    """True when an actor config (verl ``ActorConfig`` or a mapping like it) selects ``kl_cov_global``."""
+    return global_loss_mode(actor_config) == LOSS_MODE
 
 
 def read_settings(actor_config: Any) -> KLCovGlobalSettings:
@@ -96,6 +139,47 @@ def read_settings(actor_config: Any) -> KLCovGlobalSettings:
     )
 
 
+def read_clip_cov_settings(actor_config: Any) -> ClipCovGlobalSettings:
+    """Validated :class:`ClipCovGlobalSettings` from an actor config (its ``policy_loss`` and clip ratios).
+
+    The PPO clip range follows upstream ``clip_cov``: ``clip_ratio_low`` / ``clip_ratio_high``,
+    each falling back to ``clip_ratio`` when None.
+    """
+    if actor_config is None or getattr(actor_config, "policy_loss", None) is None:
+        raise ValueError("clip_cov_global needs the actor config (with policy_loss) passed as `config`")
+    policy_loss = actor_config.policy_loss
+    lb, ub = validate_clip_cov_window(_field(policy_loss, "clip_cov_lb", _DEFAULT_CLIP_COV_LB),
+                                      _field(policy_loss, "clip_cov_ub", _DEFAULT_CLIP_COV_UB))
+    clip_ratio = getattr(actor_config, "clip_ratio", None)
+    low, high = (_field(actor_config, key, clip_ratio) for key in ("clip_ratio_low", "clip_ratio_high"))
+    return ClipCovGlobalSettings(
+        clip_cov_ratio=validate_clip_cov_ratio(_field(policy_loss, "clip_cov_ratio", _DEFAULT_CLIP_COV_RATIO)),
+        clip_cov_lb=lb,
+        clip_cov_ub=ub,
+        clip_cov_seed=validate_clip_cov_seed(_field(policy_loss, "clip_cov_seed", DEFAULT_CLIP_COV_SEED)),
+        clip_ratio_low=validate_clip_ratio(low, "clip_ratio_low"),
+        clip_ratio_high=validate_clip_ratio(high, "clip_ratio_high"),
+        prepass_layout=validate_prepass_layout(_field(policy_loss, "prepass_layout", "infer")),
+    )
+
+
+def _require_loss_mode(config: PolicyLossConfig, expected: str) -> None:
+    if config.loss_mode != expected:
+        # verl's ppo_trainer.yaml sets loss_mode "vanilla": selecting a class through
+        # `policy_loss._target_` alone would silently train without the plugin's loss.
+        raise ValueError(
+            f"{type(config).__name__} carries the knobs of loss_mode={expected}, but loss_mode is "
+            f"{config.loss_mode!r}: set actor_rollout_ref.actor.policy_loss.loss_mode={expected}, or drop "
+            "actor_rollout_ref.actor.policy_loss._target_ (verl's PolicyLossConfig) for other loss modes"
+        )
+
+
+def _parent_post_init(config: PolicyLossConfig, cls: type) -> None:
+    parent_post_init = getattr(super(cls, config), "__post_init__", None)
+    if parent_post_init is not None:
+        parent_post_init()
+
+
 @dataclass
 class KLCovGlobalPolicyLossConfig(PolicyLossConfig):
     """verl's ``PolicyLossConfig`` plus this plugin's knob, validated on construction.
@@ -107,17 +191,29 @@ class KLCovGlobalPolicyLossConfig(PolicyLossConfig):
     prepass_layout: str = "infer"
 
     def __post_init__(self):
-        parent_post_init = getattr(super(), "__post_init__", None)
-        if parent_post_init is not None:
-            parent_post_init()
-        if self.loss_mode != LOSS_MODE:
-            # verl's ppo_trainer.yaml sets loss_mode "vanilla": selecting this class through
-            # `policy_loss._target_` alone would silently train without kl_cov_global.
-            raise ValueError(
-                f"{type(self).__name__} carries the knobs of loss_mode={LOSS_MODE}, but loss_mode is "
-                f"{self.loss_mode!r}: set actor_rollout_ref.actor.policy_loss.loss_mode={LOSS_MODE}, or drop "
-                "actor_rollout_ref.actor.policy_loss._target_ (verl's PolicyLossConfig) for other loss modes"
-            )
+        _parent_post_init(self, KLCovGlobalPolicyLossConfig)
+        _require_loss_mode(self, LOSS_MODE)
         validate_kl_cov_ratio(self.kl_cov_ratio)
         validate_ppo_kl_coef(self.ppo_kl_coef)
+        validate_prepass_layout(self.prepass_layout)
+
+
+@dataclass
+class ClipCovGlobalPolicyLossConfig(PolicyLossConfig):
+    """verl's ``PolicyLossConfig`` plus ``clip_cov_seed`` and ``prepass_layout``, validated on construction.
+
+    Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_klcov_global.config.ClipCovGlobalPolicyLossConfig``.
+    ``clip_cov_ratio``, ``clip_cov_lb``, ``clip_cov_ub`` are verl's own fields (defaults 0.0002, 1.0, 5.0).
+    """
+
+    loss_mode: str = CLIP_COV_LOSS_MODE
+    clip_cov_seed: int = DEFAULT_CLIP_COV_SEED
+    prepass_layout: str = "infer"
+
+    def __post_init__(self):
+        _parent_post_init(self, ClipCovGlobalPolicyLossConfig)
+        _require_loss_mode(self, CLIP_COV_LOSS_MODE)
+        validate_clip_cov_ratio(self.clip_cov_ratio)
+        validate_clip_cov_window(self.clip_cov_lb, self.clip_cov_ub)
+        validate_clip_cov_seed(self.clip_cov_seed)
         validate_prepass_layout(self.prepass_layout)

@@ -98,8 +98,9 @@ class UpdateOutcome:
     """One optimizer update: parameters after it and what was selected.
 
     ``params``: float64 (P,) full parameter vector after the step.
-    ``masks``: per optimizer step, the kl_cov_global mask (batch, response_len) of this rank.
-    ``selected_tokens``: tokens penalised (kl_cov_global: the global selection;
+    ``masks``: per optimizer step, the global mode's mask (batch, response_len) of this rank.
+    ``figures``: per optimizer step, the global selection's figures (``Selection.figures()``).
+    ``selected_tokens``: tokens penalised (kl_cov_global / clip_cov_global: the global selection;
     kl_cov: the sum of the per-micro-batch quotas; vanilla: 0).
     """
 
@@ -107,6 +108,7 @@ class UpdateOutcome:
     masks: list[torch.Tensor] = field(default_factory=list)
     selected_tokens: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
+    figures: list[dict[str, float]] = field(default_factory=list)
 
 
 def _counting_ppo_loss(counter: list, config, model_output, data, dp_group=None):
@@ -139,6 +141,7 @@ def one_update(engine_spec: EngineSpec, batch: TensorDict, actor_config, layout:
     return UpdateOutcome(
         params=params,
         masks=[s.selection.mask.clone() for s in selections],
+        figures=[s.selection.figures() for s in selections],
         selected_tokens=selected,
         metrics=dict(output.get("metrics", {})) if isinstance(output, dict) else {},
     )

@@ -7,21 +7,23 @@ PATCH ``train_batch_prepass``: wraps ``verl.workers.engine.base.BaseEngine.train
 (verl 0.9.1 ``workers/engine/base.py`` ~113; signature ``(self, data, loss_function)``;
 one call per optimizer step, made by ``TrainingWorker.train_batch`` for every
 minibatch and PPO epoch). Every engine inherits it. When the loss function's
-actor config selects ``kl_cov_global`` the wrapper, before verl's own step:
+actor config selects a global loss mode (``kl_cov_global`` or ``clip_cov_global``,
+:mod:`verl_klcov_global.modes`) the wrapper, before verl's own step:
 
 0. frees the previous step's gradients (``engine.optimizer_zero_grad()``, set to None):
    verl's ``train_batch`` does exactly that as its first call, so doing it before the
    prepass changes nothing but the prepass's memory;
 1. runs a no-grad forward of the whole minibatch that computes only log-probs
-   (:func:`compute_prepass_log_probs`), RNG states restored afterwards;
-2. selects tokens over the minibatch and the data-parallel group
-   (:func:`verl_klcov_global.selection.select_kl_cov_tokens`);
+   (:func:`compute_prepass_log_probs`), RNG states restored afterwards -- one prepass
+   for every mode;
+2. selects tokens over the minibatch and the data-parallel group with that mode's
+   selection (``GlobalLossMode.select``);
 3. stores the mask as the per-token field ``kl_cov_global_mask`` of the
    minibatch, in the layout of ``response_mask`` (nested or padded), so verl's
    micro-batch splitting (static or dynamic, which reorders samples) carries
    each slice to its micro-batch;
 4. calls verl's ``train_batch`` with the loss function wrapped so that each
-   micro-batch's loss call runs inside ``provide_kl_cov_mask(<its slice>)``.
+   micro-batch's loss call runs inside ``provide_selection_mask(<its slice>)``.
 
 Every other loss mode runs verl's ``train_batch`` untouched.
 
@@ -75,7 +77,7 @@ bf16/fp16 logits, grad-enabled calls and non-contiguous logits keep verl's path.
 
 Observability: the prepass and the selection run under ``torch.profiler.record_function``
 names :data:`PREPASS_RECORD_NAME` and :data:`SELECTION_RECORD_NAME`. Metrics added to verl's
-step metrics (prefix ``config.METRIC_PREFIX``): ``prepass_seconds`` (forward, including any
+step metrics (prefix: the mode's, ``actor/kl_cov/`` or ``actor/clip_cov/``): ``prepass_seconds`` (forward, including any
 optimizer-state moves), ``selection_seconds``, ``prepass_share`` ((prepass + selection) /
 wall time of the whole wrapped ``train_batch``: verl's ``mfu`` divides the training FLOPs by
 that wall time) and ``selected_in_micro_batch`` (explicitly ``AggregationType.MEAN``).
@@ -99,9 +101,9 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.base import BaseEngine
 from verl.workers.utils.padding import no_padding_2_padding
 
-from .config import MASK_KEY, METRIC_PREFIX, KLCovGlobalSettings, is_kl_cov_global, read_settings
-from .loss import provide_kl_cov_mask
-from .selection import KLCovSelection, select_kl_cov_tokens
+from .config import MASK_KEY
+from .loss import provide_selection_mask
+from .modes import KL_COV, GlobalLossMode, Selection, fit_width, global_mode_of, padded  # noqa: F401 (re-exported)
 
 TARGET_VERL_VERSION = "0.9.1"
 SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
@@ -110,13 +112,14 @@ PREPASS_RECORD_NAME = "verl_klcov_global.prepass"
 SELECTION_RECORD_NAME = "verl_klcov_global.selection"
 #: Selected tokens in one micro-batch's slice of the mask; MEAN over the micro-batches of an
 #: optimizer step and the DP ranks (verl's ``Metric.aggregate_dp``), then over the optimizer steps.
-SELECTED_IN_MICRO_BATCH = f"{METRIC_PREFIX}selected_in_micro_batch"
+#: Name of the per-micro-batch count of selected tokens, after the mode's metric prefix.
+SELECTED_IN_MICRO_BATCH = "selected_in_micro_batch"
 _ORIGINAL_ATTR = "__verl_klcov_global_original__"
 _SELECTION_OBSERVERS: list[Callable[[BaseEngine, "PrepassResult"], None]] = []
 
 
 class UnsupportedEngineError(RuntimeError):
-    """kl_cov_global was selected on an engine the prepass hook does not cover."""
+    """A global loss mode was selected on an engine the prepass hook does not cover."""
 
 
 @dataclass(frozen=True)
@@ -124,13 +127,15 @@ class PrepassResult:
     """Outcome of one optimizer step's prepass and selection.
 
     ``selection.mask`` is (batch, response_len) bool over this rank's minibatch,
-    in its original sample order. ``optimizer_states_offloaded``: the optimizer states
-    were moved off the device for the prepass (see :func:`optimizer_states_off_device`).
+    in its original sample order; ``mode`` is the loss mode that made it.
+    ``optimizer_states_offloaded``: the optimizer states were moved off the device for the
+    prepass (see :func:`optimizer_states_off_device`).
     """
 
-    selection: KLCovSelection
+    selection: Selection
     prepass_seconds: float
     selection_seconds: float
+    mode: GlobalLossMode = KL_COV
     optimizer_states_offloaded: bool = False
 
 
@@ -195,51 +200,55 @@ def actor_config_of(loss_function: Optional[Callable]) -> Any:
 
 def _train_batch_with_prepass(original: Callable, engine: BaseEngine, data: TensorDict, loss_function: Callable):
     actor_config = actor_config_of(loss_function)
-    if actor_config is None or not is_kl_cov_global(actor_config):
+    mode = global_mode_of(actor_config)
+    if mode is None:
         return original(engine, data, loss_function)
-    settings = read_settings(actor_config)
-    require_supported_engine(engine)
+    settings = mode.read_settings(actor_config)
+    require_supported_engine(engine, mode.name)
 
     started = time.perf_counter()
     # verl's train_batch starts with this very call (set_to_none): made before the prepass, it frees
     # the previous step's gradients for it instead of after it.
     engine.optimizer_zero_grad()
-    prepass = run_prepass_and_select(engine, data, settings)
+    prepass = run_prepass_and_select(engine, data, settings, mode)
     for observer in list(_SELECTION_OBSERVERS):
         observer(engine, prepass)
     data[MASK_KEY] = mask_in_layout_of(prepass.selection.mask, data["response_mask"])
     try:
         outputs = original(
-            engine, data, functools.partial(_loss_with_mask_slice, loss_function, prepass.selection.figures())
+            engine, data, functools.partial(_loss_with_mask_slice, loss_function, prepass.selection.figures(),
+                                            f"{mode.metric_prefix}{SELECTED_IN_MICRO_BATCH}")
         )
     finally:
         del data[MASK_KEY]
     step_seconds = time.perf_counter() - started
     if isinstance(outputs, dict) and isinstance(outputs.get("metrics"), dict):
+        prefix = mode.metric_prefix
         plugin_seconds = prepass.prepass_seconds + prepass.selection_seconds
         outputs["metrics"].update({
-            f"{METRIC_PREFIX}prepass_seconds": Metric(AggregationType.MEAN, prepass.prepass_seconds),
-            f"{METRIC_PREFIX}selection_seconds": Metric(AggregationType.MEAN, prepass.selection_seconds),
-            f"{METRIC_PREFIX}prepass_share": Metric(AggregationType.MEAN, plugin_seconds / max(step_seconds, 1e-12)),
+            f"{prefix}prepass_seconds": Metric(AggregationType.MEAN, prepass.prepass_seconds),
+            f"{prefix}selection_seconds": Metric(AggregationType.MEAN, prepass.selection_seconds),
+            f"{prefix}prepass_share": Metric(AggregationType.MEAN, plugin_seconds / max(step_seconds, 1e-12)),
         })
     return outputs
 
 
-def require_supported_engine(engine: BaseEngine) -> None:
+def require_supported_engine(engine: BaseEngine, loss_mode: str = KL_COV.name) -> None:
     """Raise :class:`UnsupportedEngineError` unless ``engine`` is verl's FSDP engine (fsdp or fsdp2)."""
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
     strategy = getattr(getattr(engine, "engine_config", None), "strategy", None)
     if not isinstance(engine, FSDPEngineWithLMHead) or strategy not in SUPPORTED_STRATEGIES:
         raise UnsupportedEngineError(
-            f"loss_mode=kl_cov_global supports verl's FSDP engine only (actor strategy {SUPPORTED_STRATEGIES}); "
+            f"loss_mode={loss_mode} supports verl's FSDP engine only (actor strategy {SUPPORTED_STRATEGIES}); "
             f"this actor runs {type(engine).__name__} with strategy {strategy!r}. Set "
-            "actor_rollout_ref.actor.strategy=fsdp2 (or fsdp), or use loss_mode=kl_cov (per-micro-batch selection)."
+            f"actor_rollout_ref.actor.strategy=fsdp2 (or fsdp), or use loss_mode={loss_mode.removesuffix('_global')} "
+            "(per-micro-batch selection)."
         )
 
 
-def _loss_with_mask_slice(loss_function: Callable, figures: dict, *args, **kwargs):
-    """verl's loss function, called inside ``provide_kl_cov_mask`` with this micro-batch's mask slice.
+def _loss_with_mask_slice(loss_function: Callable, figures: dict, selected_metric: str, *args, **kwargs):
+    """verl's loss function, called inside ``provide_selection_mask`` with this micro-batch's mask slice.
 
     verl also passes the same function as a logits processor for top-k distillation
     (``logits_processor_func(student_logits=..., data=...)``, verl 0.9.1
@@ -247,12 +256,14 @@ def _loss_with_mask_slice(loss_function: Callable, figures: dict, *args, **kwarg
     """
     if "student_logits" in kwargs:
         return loss_function(*args, **kwargs)
-    return _policy_loss_with_mask_slice(loss_function, figures, *args, **kwargs)
+    return _policy_loss_with_mask_slice(loss_function, figures, selected_metric, *args, **kwargs)
 
 
-def _policy_loss_with_mask_slice(loss_function: Callable, figures: dict, model_output, data: TensorDict,
+def _policy_loss_with_mask_slice(loss_function: Callable, figures: dict, selected_metric: str, model_output,
+                                 data: TensorDict,
                                  dp_group=None):
-    """``(loss, metrics)`` of verl's loss on this micro-batch, plus :data:`SELECTED_IN_MICRO_BATCH`.
+    """``(loss, metrics)`` of verl's loss on this micro-batch, plus ``selected_metric`` (the mode's
+    ``<prefix>selected_in_micro_batch``).
 
     verl wraps a policy loss's plain metrics as ``Metric(MEAN)`` (``ppo_loss``); this sets the
     micro-batch count explicitly with that aggregation, so its meaning does not rest on a default.
@@ -264,9 +275,9 @@ def _policy_loss_with_mask_slice(loss_function: Callable, figures: dict, model_o
         )
     # Same conversion verl's ppo_loss applies to response_mask, so the shapes match.
     mask = data.select("response_mask", MASK_KEY).to_padded_tensor()[MASK_KEY].bool()
-    with provide_kl_cov_mask(mask, figures):
+    with provide_selection_mask(mask, figures):
         loss, metrics = loss_function(model_output=model_output, data=data, dp_group=dp_group)
-    metrics[SELECTED_IN_MICRO_BATCH] = Metric(AggregationType.MEAN, float(mask.sum().item()))
+    metrics[selected_metric] = Metric(AggregationType.MEAN, float(mask.sum().item()))
     return loss, metrics
 
 
@@ -274,25 +285,21 @@ def _policy_loss_with_mask_slice(loss_function: Callable, figures: dict, model_o
 # Prepass and selection
 
 
-def run_prepass_and_select(engine: BaseEngine, data: TensorDict, settings: KLCovGlobalSettings) -> PrepassResult:
-    """No-grad log-probs of the whole minibatch, then one selection over it and the DP group."""
+def run_prepass_and_select(engine: BaseEngine, data: TensorDict, settings: Any,
+                           mode: GlobalLossMode = KL_COV) -> PrepassResult:
+    """No-grad log-probs of the whole minibatch, then ``mode``'s one selection over it and the DP group."""
     started = time.perf_counter()
     with torch.profiler.record_function(PREPASS_RECORD_NAME):
         with optimizer_states_off_device(engine, settings.prepass_layout) as offloaded:
             log_probs = compute_prepass_log_probs(engine, data, settings.prepass_layout)
-    response_mask = padded(data["response_mask"])
-    advantages = padded(data["advantages"]).to(log_probs.device)
-    log_probs = fit_width(log_probs, response_mask.shape[1])
     selected_at = time.perf_counter()
     group = engine.get_data_parallel_group() if dist.is_available() and dist.is_initialized() else None
     with torch.profiler.record_function(SELECTION_RECORD_NAME):
-        selection = select_kl_cov_tokens(
-            advantages, log_probs, response_mask.to(log_probs.device), settings.kl_cov_ratio, group=group
-        )
+        selection = mode.select(log_probs, data, settings, group)
     finished = time.perf_counter()
     return PrepassResult(
         selection=selection, prepass_seconds=selected_at - started, selection_seconds=finished - selected_at,
-        optimizer_states_offloaded=offloaded,
+        mode=mode, optimizer_states_offloaded=offloaded,
     )
 
 
@@ -516,16 +523,7 @@ def preserved_rng_states() -> Iterator[None]:
 # Layout helpers
 
 
-def padded(tensor: torch.Tensor) -> torch.Tensor:
-    """(batch, max_len) dense view of a jagged nested or already padded per-token field."""
-    return tensor.to_padded_tensor(0) if tensor.is_nested else tensor
-
-
-def fit_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """Cut or zero-pad dim 1 of a (batch, len) tensor to ``width``."""
-    if tensor.shape[1] >= width:
-        return tensor[:, :width]
-    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]))
+# ``padded`` and ``fit_width`` (reading the minibatch) live in modes.py, imported above.
 
 
 def mask_in_layout_of(mask: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,16 @@
-"""The registered ``kl_cov_global`` policy loss and the channel that feeds it a mask.
+"""The registered ``kl_cov_global`` and ``clip_cov_global`` policy losses and the channel that feeds them a mask.
 
 verl calls a policy loss with padded (batch, response_len) tensors only
 (``verl/workers/utils/losses.py ppo_loss``); it never sees the micro-batch
 TensorDict. The selection mask therefore reaches the loss through one explicit
-channel: :func:`provide_kl_cov_mask`, a context manager that sets a
-:class:`contextvars.ContextVar` for the duration of one loss call. The engine
-hook (``hook.py``) wraps verl's loss function so that every micro-batch's loss
-call runs inside ``provide_kl_cov_mask(<that micro-batch's mask slice>)``.
+channel: :func:`provide_selection_mask` (old name :func:`provide_kl_cov_mask`), a
+context manager that sets a :class:`contextvars.ContextVar` for the duration of one
+loss call. The engine hook (``hook.py``) wraps verl's loss function so that every
+micro-batch's loss call runs inside ``provide_selection_mask(<that micro-batch's mask slice>)``.
 
-Outside such a context the loss raises :class:`KLCovMaskUnavailableError`:
-there is never a silent fallback to per-micro-batch selection.
+Outside such a context the losses raise :class:`SelectionMaskUnavailableError`
+(:class:`KLCovMaskUnavailableError` / :class:`ClipCovMaskUnavailableError`): there is
+never a silent fallback to per-micro-batch selection.
 """
 
 from __future__ import annotations
@@ -23,13 +24,36 @@ import torch
 import verl.utils.torch_functional as verl_F
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
-from .config import LOSS_MODE, METRIC_PREFIX, read_settings
+from .config import (
+    CLIP_COV_LOSS_MODE,
+    CLIP_COV_METRIC_PREFIX,
+    LOSS_MODE,
+    METRIC_PREFIX,
+    read_clip_cov_settings,
+    read_settings,
+)
 
-__all__ = ["KLCovMaskUnavailableError", "provide_kl_cov_mask", "compute_policy_loss_kl_cov_global"]
+__all__ = [
+    "SelectionMaskUnavailableError",
+    "KLCovMaskUnavailableError",
+    "ClipCovMaskUnavailableError",
+    "provide_selection_mask",
+    "provide_kl_cov_mask",
+    "compute_policy_loss_kl_cov_global",
+    "compute_policy_loss_clip_cov_global",
+]
 
 
-class KLCovMaskUnavailableError(RuntimeError):
+class SelectionMaskUnavailableError(RuntimeError):
+    """A global loss mode was called without a precomputed selection mask."""
+
+
+class KLCovMaskUnavailableError(SelectionMaskUnavailableError):
     """The ``kl_cov_global`` loss was called without a precomputed selection mask."""
+
+
+class ClipCovMaskUnavailableError(SelectionMaskUnavailableError):
+    """The ``clip_cov_global`` loss was called without a precomputed selection mask."""
 
 
 @dataclass(frozen=True)
@@ -43,14 +67,15 @@ _CURRENT_MASK: contextvars.ContextVar[Optional[_ProvidedMask]] = contextvars.Con
 )
 
 _NO_MASK_MESSAGE = (
-    "loss_mode=kl_cov_global was called without a precomputed selection mask: the verl_klcov_global "
+    "loss_mode={mode} was called without a precomputed selection mask: the verl_klcov_global "
     "prepass hook is not active in this process, or the engine bypassed it. The hook wraps "
     "verl.workers.engine.base.BaseEngine.train_batch for verl's FSDP engines (strategy fsdp/fsdp2) and is "
     "installed when the plugin loads. Make sure the plugin is loaded in every worker process: install the "
     "package (`pip install verl-klcov-global`, entry point group verl.plugins, loaded on `import verl`), or set "
     "VERL_USE_EXTERNAL_MODULES=verl_klcov_global, or actor_rollout_ref.model.external_lib=verl_klcov_global. "
-    "To call the loss directly, wrap the call in verl_klcov_global.provide_kl_cov_mask(mask)."
+    "To call the loss directly, wrap the call in verl_klcov_global.provide_selection_mask(mask)."
 )
+_NO_MASK_ERRORS = {LOSS_MODE: KLCovMaskUnavailableError, CLIP_COV_LOSS_MODE: ClipCovMaskUnavailableError}
 
 
 _HOOK_INSTALL_ERROR: Optional[BaseException] = None
@@ -63,14 +88,15 @@ def record_hook_install_error(error: BaseException) -> None:
 
 
 @contextlib.contextmanager
-def provide_kl_cov_mask(mask: torch.Tensor, figures: Optional[dict[str, float]] = None) -> Iterator[None]:
-    """Make ``mask`` the selection seen by ``kl_cov_global`` loss calls inside this block.
+def provide_selection_mask(mask: torch.Tensor, figures: Optional[dict[str, float]] = None) -> Iterator[None]:
+    """Make ``mask`` the selection seen by ``kl_cov_global`` / ``clip_cov_global`` loss calls inside this block.
 
     Args:
         mask: bool (batch, response_len), aligned with the ``response_mask`` the
             loss will receive (the micro-batch's slice of the minibatch mask).
-        figures: optional scalar figures of the selection (see
-            ``KLCovSelection.figures``), reported by the loss under ``actor/kl_cov/``.
+        figures: optional scalar figures of the selection (``KLCovSelection.figures`` /
+            ``ClipCovSelection.figures``), reported by the loss under its metric prefix
+            (``actor/kl_cov/`` / ``actor/clip_cov/``).
     """
     token = _CURRENT_MASK.set(_ProvidedMask(mask=mask, figures=dict(figures or {})))
     try:
@@ -79,20 +105,24 @@ def provide_kl_cov_mask(mask: torch.Tensor, figures: Optional[dict[str, float]] 
         _CURRENT_MASK.reset(token)
 
 
-def _current_mask(response_mask: torch.Tensor) -> _ProvidedMask:
+#: The channel's first name, kept for callers written for kl_cov_global alone.
+provide_kl_cov_mask = provide_selection_mask
+
+
+def _current_mask(response_mask: torch.Tensor, loss_mode: str = LOSS_MODE) -> _ProvidedMask:
     provided = _CURRENT_MASK.get()
     if provided is None:
         cause = "" if _HOOK_INSTALL_ERROR is None else f" The hook failed to install in this process: {_HOOK_INSTALL_ERROR!r}."
-        raise KLCovMaskUnavailableError(_NO_MASK_MESSAGE + cause)
+        raise _NO_MASK_ERRORS[loss_mode](_NO_MASK_MESSAGE.format(mode=loss_mode) + cause)
     mask = provided.mask
     if mask.shape != response_mask.shape:
         raise ValueError(
-            f"kl_cov_global mask has shape {tuple(mask.shape)} but the loss received response_mask of shape "
+            f"{loss_mode} mask has shape {tuple(mask.shape)} but the loss received response_mask of shape "
             f"{tuple(response_mask.shape)}: the mask slice does not belong to this micro-batch"
         )
     mask = mask.to(device=response_mask.device, dtype=torch.bool)
     if bool((mask & ~response_mask.bool()).any()):
-        raise ValueError("kl_cov_global mask selects positions outside response_mask: it is misaligned")
+        raise ValueError(f"{loss_mode} mask selects positions outside response_mask: it is misaligned")
     return _ProvidedMask(mask=mask, figures=provided.figures)
 
 
@@ -137,4 +167,53 @@ def compute_policy_loss_kl_cov_global(
         f"{METRIC_PREFIX}selected_in_micro_batch": float(provided.mask.sum().item()),
     }
     metrics.update({f"{METRIC_PREFIX}{name}": float(value) for name, value in provided.figures.items()})
+    return pg_loss, metrics
+
+
+@register_policy_loss(CLIP_COV_LOSS_MODE)
+def compute_policy_loss_clip_cov_global(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl's ``clip_cov`` objective on a mask selected over the whole minibatch.
+
+    All tensors are (batch, response_len) for one micro-batch. Per token, with
+    ``r = exp(logp - old_logp)``: ``max(-A r, -A clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``,
+    times ``corr = 0`` where the provided mask is set (1 elsewhere; those tokens still count
+    in the aggregation's denominators); times ``rollout_is_weights`` when given; aggregated
+    with ``agg_loss(..., loss_agg_mode, **config.global_batch_info)``. Exactly ``clip_cov``
+    (verl 0.9.1 core_algos.py ~1744) with its per-micro-batch random selection replaced.
+
+    Returns ``(pg_loss, metrics)`` with ``actor/pg_clipfrac`` (masked mean of ``corr == 0``)
+    and ``actor/ppo_kl`` (masked mean of ``old_logp - logp``) as ``clip_cov`` reports them,
+    ``actor/clip_cov/selected_in_micro_batch`` and the selection figures under ``actor/clip_cov/``.
+    """
+    settings = read_clip_cov_settings(config)
+    provided = _current_mask(response_mask, CLIP_COV_LOSS_MODE)
+    negative_approx_kl = log_prob - old_log_prob
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = verl_F.masked_mean(-negative_approx_kl, response_mask)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - settings.clip_ratio_low, 1 + settings.clip_ratio_high)
+    corr = torch.ones_like(advantages)
+    corr[provided.mask] = 0
+    pg_clipfrac = verl_F.masked_mean((corr == 0).float(), response_mask)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2) * corr
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+
+    pg_loss = agg_loss(
+        loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
+    )
+    metrics = {
+        "actor/pg_clipfrac": pg_clipfrac.detach().item(),
+        "actor/ppo_kl": ppo_kl.detach().item(),
+        f"{CLIP_COV_METRIC_PREFIX}selected_in_micro_batch": float(provided.mask.sum().item()),
+    }
+    metrics.update({f"{CLIP_COV_METRIC_PREFIX}{name}": float(value) for name, value in provided.figures.items()})
     return pg_loss, metrics

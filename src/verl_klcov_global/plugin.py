@@ -1,4 +1,4 @@
-"""Entry point (group ``verl.plugins``): registers the loss and installs the engine hook.
+"""Entry point (group ``verl.plugins``): registers the losses and installs the engine hook.
 
 verl 0.9.x imports this module on ``import verl`` in every process (driver,
 TaskRunner, Ray workers). Importing or calling :func:`install` again is harmless.
@@ -9,13 +9,14 @@ from __future__ import annotations
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
 from . import hook, loss
-from .config import LOSS_MODE
-from .loss import compute_policy_loss_kl_cov_global
+from .config import CLIP_COV_LOSS_MODE, LOSS_MODE
+from .loss import compute_policy_loss_clip_cov_global, compute_policy_loss_kl_cov_global
 
 
 def install() -> None:
-    """Register ``kl_cov_global`` in verl's policy-loss registry and install the prepass hook (idempotent)."""
+    """Register ``kl_cov_global`` and ``clip_cov_global`` in verl's policy-loss registry, install the hook (idempotent)."""
     POLICY_LOSS_REGISTRY[LOSS_MODE] = compute_policy_loss_kl_cov_global
+    POLICY_LOSS_REGISTRY[CLIP_COV_LOSS_MODE] = compute_policy_loss_clip_cov_global
     try:
         hook.install_hook()
     except Exception as error:

@@ -1,12 +1,37 @@
 """Pure-torch token selections, one module per method, over a minibatch and a data-parallel group.
 
 * :mod:`.kl_cov` -- KL-Cov: the top ``kl_cov_ratio`` fraction of tokens by covariance.
+* :mod:`.clip_cov` -- Clip-Cov: a reproducible uniform sample of the tokens whose covariance
+  lies in a window, at most ``clip_cov_ratio`` of them.
 * :mod:`.collectives` -- what every selection shares: exact group-wide means and the
   agreement on the k largest keys, with an exchange that does not grow with k or N.
+* :mod:`.keys` -- sampling keys hashed from (seed, sequence tokens, position).
+* :mod:`.knobs` -- strict reading of numeric knobs (no bool or string coercion).
 
 Nothing here imports verl.
 """
 
+from .clip_cov import (
+    ClipCovSelection,
+    clip_cov_quota,
+    select_clip_cov_tokens,
+    validate_clip_cov_ratio,
+    validate_clip_cov_seed,
+    validate_clip_cov_window,
+    validate_clip_ratio,
+)
 from .kl_cov import KLCovSelection, kl_cov_quota, select_kl_cov_tokens, validate_kl_cov_ratio
 
-__all__ = ["KLCovSelection", "kl_cov_quota", "select_kl_cov_tokens", "validate_kl_cov_ratio"]
+__all__ = [
+    "ClipCovSelection",
+    "KLCovSelection",
+    "clip_cov_quota",
+    "kl_cov_quota",
+    "select_clip_cov_tokens",
+    "select_kl_cov_tokens",
+    "validate_clip_cov_ratio",
+    "validate_clip_cov_seed",
+    "validate_clip_cov_window",
+    "validate_clip_ratio",
+    "validate_kl_cov_ratio",
+]

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import agree_and_mean, float_order_keys, key_to_float, select_largest_keys
+from .knobs import finite_number, setting
 
 __all__ = ["KLCovSelection", "select_kl_cov_tokens", "kl_cov_quota", "validate_kl_cov_ratio"]
 
@@ -94,16 +95,12 @@ class KLCovSelection:
 
 
 def validate_kl_cov_ratio(ratio: float) -> float:
-    """Return ``ratio`` as float if it is finite and in (0, 1], else raise ValueError."""
-    try:
-        value = float(ratio)
-    except (TypeError, ValueError):
-        raise ValueError(f"kl_cov_ratio must be a number in (0, 1], got {ratio!r}") from None
-    if not math.isfinite(value) or not (0.0 < value <= 1.0):
+    """Return ``ratio`` as float if it is a finite number in (0, 1] (not a bool or a string), else raise ValueError."""
+    value = finite_number(ratio)
+    if value is None or not (0.0 < value <= 1.0):
         raise ValueError(
             f"kl_cov_ratio must be finite and in (0, 1], got {ratio!r}; "
-            "set actor_rollout_ref.actor.policy_loss.kl_cov_ratio, e.g. =0.0002 (the paper's value for 32B) "
-            "or =0.002 (7B)"
+            + setting("kl_cov_ratio", "0.0002 (the paper's value for 32B) or =0.002 (7B)")
         )
     return value
 

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# GRPO + Clip-Cov with global (minibatch- and DP-wide), reproducible token selection, on DAPO-Math-17k.
+#
+# Hyperparameters follow the published entropy-mechanism recipe for Qwen2.5-7B
+# (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
+# Language Models", arXiv:2505.22617; script recipe/entropy/7b_clip_cov.sh of verl, from
+# PRIME-RL/Entropy-Mechanism-of-RL), ported to verl 0.9.1's `python -m verl.trainer.main_ppo`
+# with only the loss mode changed:
+#   loss_mode clip_cov -> clip_cov_global (this plugin), plus its seed.
+# Each value's source is noted [recipe] (from that script), [verl] (verl's own default for
+# the key) or [ours].
+#
+# clip_cov_seed keeps the plugin's default 0 [ours]: verl's ppo_trainer.yaml has no such key and Hydra
+# refuses new keys, so to change it compose configs/clip_cov_global.yaml (which declares it) instead.
+#
+# Note the recipe's PPO clip range: clip_ratio_low = clip_ratio_high = 1, i.e. r is clamped to
+# [0, 2], so Clip-Cov's covariance-based gradient cut does most of the clipping.
+#
+# Left out, on purpose: the recipe's DAPO dynamic sampling (algorithm.filter_groups,
+# gen_batch_size = 3 x train batch) and its `dapo` reward manager with overlong buffer
+# live in the recipe's own main_entropy.py, not in verl's main_ppo.
+#
+# Usage (GPU cluster; the plugin must be installed in the environment Ray workers use):
+#   MODEL_PATH=/models/Qwen2.5-7B TRAIN_FILE=/data/dapo-math-17k.parquet \
+#   TEST_FILE=/data/aime-2024.parquet bash examples/dapo_clip_cov_global.sh
+# Extra Hydra overrides can be appended as arguments.
+# PRINT_OVERRIDES=1 prints the overrides one per line instead of launching (used by the tests).
+set -euo pipefail
+
+MODEL_PATH=${MODEL_PATH:-/path/to/Qwen2.5-7B}
+TRAIN_FILE=${TRAIN_FILE:-/path/to/dapo-math-17k.parquet}
+TEST_FILE=${TEST_FILE:-/path/to/aime-2024.parquet}
+NNODES=${NNODES:-4}                          # [recipe] 4 nodes x 8 GPUs
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+CLIP_COV_RATIO=${CLIP_COV_RATIO:-0.0002}     # [recipe][verl] at 7B and 32B
+MAX_TOKEN=${MAX_TOKEN:-30720}                # [recipe] per-GPU token budget at 7B (20480 at 32B)
+
+overrides=(
+  algorithm.adv_estimator=grpo                                   # [recipe]
+  algorithm.use_kl_in_reward=False                               # [recipe]
+  algorithm.kl_ctrl.kl_coef=0.0                                  # [recipe]
+  data.train_files="${TRAIN_FILE}"
+  data.val_files="${TEST_FILE}"
+  data.prompt_key=prompt                                         # [recipe] DAPO-Math-17k's column
+  data.truncation=left                                           # [recipe]
+  data.max_prompt_length=2048                                    # [recipe]
+  data.max_response_length=8192                                  # [recipe]
+  data.train_batch_size=256                                      # [recipe] prompts per step
+  actor_rollout_ref.rollout.n=8                                  # [recipe] responses per prompt
+  actor_rollout_ref.model.path="${MODEL_PATH}"
+  actor_rollout_ref.model.use_remove_padding=True                # [recipe]
+  actor_rollout_ref.model.enable_gradient_checkpointing=True     # [recipe]
+  actor_rollout_ref.actor.strategy=fsdp2                         # [ours] clip_cov_global covers fsdp and fsdp2
+  actor_rollout_ref.actor.policy_loss._target_=verl_klcov_global.config.ClipCovGlobalPolicyLossConfig  # [ours]
+  actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov_global  # [ours] instead of the recipe's clip_cov
+  actor_rollout_ref.actor.policy_loss.clip_cov_ratio="${CLIP_COV_RATIO}"
+  actor_rollout_ref.actor.policy_loss.clip_cov_lb=1.0            # [recipe][verl]
+  actor_rollout_ref.actor.policy_loss.clip_cov_ub=5.0            # [recipe][verl]
+  actor_rollout_ref.actor.clip_ratio_low=1                       # [recipe]
+  actor_rollout_ref.actor.clip_ratio_high=1                      # [recipe]
+  actor_rollout_ref.actor.clip_ratio_c=10.0                      # [recipe] (dual-clip of vanilla; unused by Clip-Cov)
+  actor_rollout_ref.actor.loss_agg_mode=token-mean               # [recipe]
+  actor_rollout_ref.actor.entropy_coeff=0                        # [recipe]
+  actor_rollout_ref.actor.use_kl_loss=False                      # [recipe]
+  actor_rollout_ref.actor.kl_loss_coef=0.0                       # [recipe]
+  actor_rollout_ref.actor.ppo_mini_batch_size=32                 # [recipe] prompts per optimizer step
+  actor_rollout_ref.actor.use_dynamic_bsz=True                   # [recipe]
+  actor_rollout_ref.actor.ppo_max_token_len_per_gpu="${MAX_TOKEN}"       # [recipe]
+  actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True        # [recipe]; also the prepass's layout
+  actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu="${MAX_TOKEN}" # [recipe]
+  actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True            # [recipe]
+  actor_rollout_ref.ref.log_prob_max_token_len_per_gpu="${MAX_TOKEN}"     # [recipe]
+  actor_rollout_ref.actor.optim.lr=1e-6                          # [recipe]
+  actor_rollout_ref.actor.optim.weight_decay=0                   # [recipe]
+  actor_rollout_ref.actor.optim.lr_scheduler_type=constant       # [recipe] warmup_style=constant
+  actor_rollout_ref.actor.grad_clip=1.0                          # [recipe]
+  actor_rollout_ref.actor.ulysses_sequence_parallel_size=1       # [recipe]
+  actor_rollout_ref.rollout.name=vllm                            # [recipe]
+  actor_rollout_ref.rollout.tensor_model_parallel_size=2         # [recipe]
+  actor_rollout_ref.rollout.gpu_memory_utilization=0.85          # [recipe]
+  actor_rollout_ref.rollout.max_num_batched_tokens="${MAX_TOKEN}"         # [recipe]
+  actor_rollout_ref.rollout.temperature=1.0                      # [recipe]
+  actor_rollout_ref.rollout.top_p=1.0                            # [recipe]
+  actor_rollout_ref.rollout.top_k=-1                             # [recipe]
+  actor_rollout_ref.rollout.val_kwargs.temperature=1.0           # [recipe]
+  actor_rollout_ref.rollout.val_kwargs.top_p=1.0                 # [recipe]
+  actor_rollout_ref.rollout.val_kwargs.do_sample=False           # [recipe]
+  actor_rollout_ref.rollout.val_kwargs.n=1                       # [recipe]
+  trainer.logger='["console","wandb"]'                           # [recipe]
+  trainer.project_name=verl-klcov-global
+  trainer.experiment_name=dapo-clip_cov_global-ratio${CLIP_COV_RATIO}
+  trainer.n_gpus_per_node="${GPUS_PER_NODE}"
+  trainer.nnodes="${NNODES}"
+  trainer.val_before_train=False                                 # [recipe]
+  trainer.test_freq=4                                            # [recipe]
+  trainer.save_freq=32                                           # [recipe]
+  trainer.total_epochs=1000                                      # [recipe]
+)
+
+if [ "${PRINT_OVERRIDES:-0}" = "1" ]; then
+  printf '%s\n' "${overrides[@]}" "$@"
+  exit 0
+fi
+HYDRA_FULL_ERROR=1 python -m verl.trainer.main_ppo "${overrides[@]}" "$@"
