@@ -433,6 +433,7 @@ def fsdp_engine_configs(
     infer_micro_batch_size_per_gpu: Optional[int] = 16,
     infer_max_token_len_per_gpu: Optional[int] = 4096,
     gradient_checkpointing: bool = False,
+    optimizer: str = "SGD",
     seed: int = 0,
 ) -> dict[str, Any]:
     """verl's model/engine/optimizer/checkpoint configs of :func:`build_fsdp_engine`.
@@ -445,8 +446,11 @@ def fsdp_engine_configs(
         dtype: "fp32" (no autocast) or "bf16" (FSDP param_dtype bf16,
             reduce/buffer fp32; verl sets ``_autocast_dtype=bf16`` and runs the
             forward under ``torch.autocast``). Master weights fp32.
-        lr, clip_grad, weight_decay: plain ``torch.optim.SGD``, constant LR,
-            no warmup; weight decay 0 so parameters move only by gradients.
+        lr, clip_grad, weight_decay: constant LR, no warmup; weight decay 0 so
+            parameters move only by gradients.
+        optimizer: a ``torch.optim`` class name: "SGD" (default: no optimizer
+            state, so parameter differences are gradient differences) or
+            "AdamW" (verl's default; the GPU kit's realistic step).
         use_remove_padding: engine-level flag (verl's monkey patch); the
             per-batch ``use_remove_padding`` key should agree with it.
         use_dynamic_bsz, micro_batch_size_per_gpu, max_token_len_per_gpu,
@@ -482,7 +486,7 @@ def fsdp_engine_configs(
         seed=seed,
     )
     optimizer_config = FSDPOptimizerConfig(
-        optimizer="SGD",
+        optimizer=optimizer,
         optimizer_impl="torch.optim",
         lr=lr,
         clip_grad=clip_grad,

@@ -1,0 +1,198 @@
+"""Phase ``branches`` of the GPU kit: the hook's accelerator-only branches, each checked so it can fail.
+
+One tiny-model engine, verl's FSDP1 (``strategy=fsdp``; the diagnose and step phases use FSDP2), fp32,
+remove-padding and dynamic batching, on the run's device. Checks:
+
+* ``process group``: the engine's data-parallel group is NCCL (gloo in the CPU smoke), world size 1;
+* ``device RNG restored`` / ``CPU RNG restored``: ``hook.compute_prepass_log_probs`` on an engine
+  whose ``infer_batch`` first draws from the CPU and the device generators (so the prepass does
+  consume random numbers): both states equal their values before the prepass;
+* ``accelerator logits path``: inside ``hook.batched_logsumexp`` (PATCH ``prepass_batched_logsumexp``)
+  device logits go through verl's own ``logprobs_from_logits_v2`` (counted) and CPU logits through
+  the plugin's chunked version (not counted); both give verl's result bit for bit;
+* ``prepass = compute_log_prob``: the prepass's log-probs equal verl's compute_log_prob (same
+  minibatch and inference layout, no entropy) bit for bit;
+* ``selection over the NCCL group``: one ``kl_cov_global`` optimizer step through the hook; the mask
+  it selected over the DP group lives on the device, has the quota, and equals the selection of the
+  same tokens without a group.
+On CPU the device-only checks are recorded as not applicable, with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .gpu_check import Phase
+
+
+def _tiny_engine(phase: Phase):
+    from verl_klcov_global import _cpu, _tiny
+    from verl_klcov_global.diagnose import quiet_verl
+
+    with quiet_verl():
+        path = _tiny.build_tiny_model(os.path.join(phase.scratch, "tiny"))
+        # use_dynamic_bsz in the engine config too: verl's compute_log_prob takes it from there
+        engine = _cpu.build_fsdp_engine(path, device=phase.device, strategy="fsdp", dtype="fp32",
+                                        use_remove_padding=True, use_dynamic_bsz=True, max_token_len_per_gpu=256,
+                                        infer_max_token_len_per_gpu=512)
+    batch = _tiny.make_minibatch(
+        batch_size=16, prompt_len=16, response_len=64, vary_lengths=True, seed=3, use_remove_padding=True,
+        use_dynamic_bsz=True, max_token_len_per_gpu=256,
+    )
+    return engine, batch
+
+
+def _check_process_group(phase: Phase, engine) -> None:
+    import torch.distributed as dist
+
+    group = engine.get_data_parallel_group()
+    backend = dist.get_backend(group)
+    expected = "nccl" if phase.device == "cuda" else "gloo"
+    world = dist.get_world_size(group)
+    phase.data["process_group"] = {"backend": backend, "world_size": world}
+    phase.check("process group", backend == expected and world == 1,
+                f"engine DP group backend {backend!r} (expected {expected!r}), world size {world}")
+
+
+def _check_rng_restored(phase: Phase, engine, batch) -> None:
+    from verl_klcov_global import hook
+
+    cuda = phase.device == "cuda"
+    draws: list[float] = []
+    original = engine.infer_batch
+
+    def consuming_infer_batch(*args, **kwargs):
+        draws.append(float(torch.rand(1)))
+        if cuda:
+            draws.append(float(torch.rand(1, device="cuda")))
+        return original(*args, **kwargs)
+
+    cpu_before = torch.get_rng_state()
+    device_before = torch.cuda.get_rng_state() if cuda else None
+    engine.infer_batch = consuming_infer_batch
+    try:
+        with engine.train_mode():
+            hook.compute_prepass_log_probs(engine, batch.copy(), "infer")
+    finally:
+        del engine.infer_batch  # the instance attribute; the class's method is back
+    consumed = len(draws) == (2 if cuda else 1)
+    cpu_ok = consumed and torch.equal(cpu_before, torch.get_rng_state())
+    phase.check("CPU RNG restored", cpu_ok,
+                f"prepass drew {len(draws)} number(s) inside infer_batch; CPU generator state "
+                f"{'unchanged' if cpu_ok else 'CHANGED (or nothing was drawn)'} afterwards")
+    if not cuda:
+        phase.check("device RNG restored", None, "no accelerator generator on cpu")
+        return
+    device_ok = consumed and torch.equal(device_before, torch.cuda.get_rng_state())
+    phase.check("device RNG restored", device_ok,
+                f"cuda generator state {'unchanged' if device_ok else 'CHANGED (or nothing was drawn)'} after a "
+                "prepass that drew from it")
+
+
+def _check_logits_path(phase: Phase) -> None:
+    import verl.utils.torch_functional as verl_F
+
+    from verl_klcov_global import hook
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 9, 97, generator=generator).to(phase.device)
+    labels = torch.randint(0, 97, (6, 9), generator=generator).to(phase.device)
+    verl_own = verl_F.logprobs_from_logits_v2
+    calls = []
+
+    @functools.wraps(verl_own)  # the hook checks the signature it wraps
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return verl_own(*args, **kwargs)
+
+    with torch.no_grad():
+        expected = verl_own(logits, labels)
+        verl_F.logprobs_from_logits_v2 = counted
+        try:
+            with hook.batched_logsumexp():
+                got = verl_F.logprobs_from_logits_v2(logits, labels)
+        finally:
+            verl_F.logprobs_from_logits_v2 = verl_own
+    identical = torch.equal(expected, got)
+    on_device = phase.device != "cpu"
+    routed = len(calls) == (1 if on_device else 0)
+    path = "verl's own logprobs_from_logits_v2" if calls else "the plugin's chunked logsumexp"
+    phase.data["prepass_logits_path"] = path
+    name = "accelerator logits path" if on_device else "CPU logits path"
+    phase.check(name, identical and routed,
+                f"{phase.device} fp32 logits in the prepass went through {path} "
+                f"(expected {'verl' if on_device else 'chunked'}); result {'bit-identical' if identical else 'DIFFERS'}")
+    if not on_device:
+        phase.check("accelerator logits path", None, "no accelerator logits on cpu (the CPU branch is checked above)")
+
+
+def _check_prepass_equals_compute_log_prob(phase: Phase, engine, batch) -> torch.Tensor:
+    from verl_klcov_global import hook
+
+    from .gpu_step import compute_log_prob
+
+    with engine.train_mode():
+        prepass = hook.compute_prepass_log_probs(engine, batch.copy(), "infer").float()
+    verl_lp = compute_log_prob(engine, batch, calculate_entropy=False)
+    width = min(prepass.shape[1], verl_lp.shape[1])
+    identical = prepass.shape == verl_lp.shape and torch.equal(prepass.cpu(), verl_lp.cpu())
+    diff = float((prepass[:, :width].cpu() - verl_lp[:, :width].cpu()).abs().max())
+    phase.check("prepass = compute_log_prob", identical,
+                f"prepass log-probs {'bit-identical to' if identical else f'differ (max {diff:.2e}) from'} verl's "
+                f"compute_log_prob on the same minibatch and layout, {tuple(prepass.shape)} fp32 on {phase.device}")
+    return prepass
+
+
+def _check_selection_over_group(phase: Phase, engine, batch, log_probs: torch.Tensor) -> None:
+    from verl.workers.utils.losses import ppo_loss
+
+    from verl_klcov_global import _tiny, hook
+    from verl_klcov_global.selection import kl_cov_quota, select_kl_cov_tokens
+
+    ratio = 0.02
+    config = _tiny.make_actor_config(loss_mode="kl_cov_global", kl_cov_ratio=ratio, ppo_kl_coef=1.0)
+    results = []
+    with hook.observe_selections(lambda _engine, result: results.append(result)), engine.train_mode():
+        output = engine.train_batch(batch.copy(), loss_function=functools.partial(ppo_loss, config=config))
+    if len(results) != 1:
+        phase.check("selection over the NCCL group" if phase.device == "cuda" else "selection over the gloo group",
+                    False, f"expected one prepass selection in the step, saw {len(results)}")
+        return
+    selection = results[0].selection
+    response_mask = hook.padded(batch["response_mask"])
+    advantages = hook.padded(batch["advantages"]).to(log_probs.device)
+    lp = hook.fit_width(log_probs, response_mask.shape[1])
+    alone = select_kl_cov_tokens(advantages, lp, response_mask.to(lp.device), ratio, group=None)
+    quota = kl_cov_quota(int(response_mask.sum()), ratio)
+    same = torch.equal(selection.mask.cpu(), alone.mask.cpu())
+    on_device = selection.mask.device.type == phase.device
+    metrics = output.get("metrics", {}) if isinstance(output, dict) else {}
+    timed = "actor/kl_cov/prepass_seconds" in metrics
+    group = "NCCL" if phase.device == "cuda" else "gloo"
+    phase.data["selection"] = {"quota": quota, "selected": selection.num_selected, "mask_device": str(selection.mask.device)}
+    phase.check(f"selection over the {group} group", same and on_device and selection.num_selected == quota and timed,
+                f"kl_cov_global step: {selection.num_selected} of quota {quota} selected, mask on "
+                f"{selection.mask.device}, {'identical to' if same else 'DIFFERENT from'} the selection without a "
+                f"group; prepass metrics {'reported' if timed else 'MISSING'}")
+    if phase.device != "cuda":
+        phase.check("selection over the NCCL group", None, "no NCCL on cpu (the gloo group is checked above)")
+
+
+def run(phase: Phase) -> None:
+    from verl_klcov_global.diagnose import quiet_verl
+    from verl_klcov_global.experiment import _release
+
+    engine, batch = _tiny_engine(phase)
+    try:
+        _check_process_group(phase, engine)
+        with quiet_verl():
+            _check_rng_restored(phase, engine, batch)
+        _check_logits_path(phase)
+        with quiet_verl():
+            log_probs = _check_prepass_equals_compute_log_prob(phase, engine, batch)
+            _check_selection_over_group(phase, engine, batch, log_probs)
+    finally:
+        _release(engine)

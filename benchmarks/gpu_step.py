@@ -1,0 +1,351 @@
+"""Phase ``step`` of the GPU kit: step time, prepass cost and peak memory at a realistic shape.
+
+Model: a random Qwen2.5-0.5B-shaped Qwen2 (``gpu_check.QWEN25_05B_LIKE``) saved in bf16 and built on
+the device (the CPU smoke: the tiny model). Engine: verl's FSDP2 ``FSDPEngineWithLMHead``, world size
+1, bf16 compute (fp32 master weights), AdamW, gradient checkpointing, remove-padding and dynamic
+batching with the same per-GPU token budget for training and log-probs, as
+``examples/dapo_kl_cov_global.sh`` sets them. Minibatch: 16 sequences, prompts of 256-512 and
+responses of 2,048-4,096 random tokens, several micro-batches.
+
+Measured on one engine, each operation timed with the device synchronised before and after, peak
+memory from ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``:
+
+* ``compute_log_prob``: verl's actor log-prob pass on the minibatch (:func:`compute_log_prob`);
+  its first call is the warm-up and gives the ``old_log_probs`` of the minibatch, as in training;
+* ``prepass``: the plugin's prepass alone (``hook.compute_prepass_log_probs``, inference layout);
+* ``step <mode>``: one ``engine.train_batch`` (zero_grad, all micro-batches, optimizer step) for verl's
+  mode and the plugin's global mode (prepass and selection included), for every global mode whose verl
+  counterpart is registered.
+
+One warm-up round, then ``reps`` timed rounds (training modes in rotated order). Also recorded: the
+log-prob function verl called in each operation (counted), the attention implementation of the model
+and the attention / log-softmax operators that ran in a profiled prepass on a small minibatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import statistics
+import time
+from collections import Counter
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from .gpu_check import QWEN25_05B_LIKE, Phase, PhaseBudgetExceeded, progress
+
+GIB = float(1 << 30)
+_LOGPROB_FUNCTIONS = ("logprobs_from_logits_v2", "logprobs_from_logits_flash_attn", "logprobs_from_logits_torch_npu")
+
+
+def compute_log_prob(engine, batch, *, calculate_entropy: bool = True) -> torch.Tensor:
+    """verl 0.9.1's actor ``compute_log_prob`` on ``batch``, in process: (B, R) float32 log-probs, padded.
+
+    What ``ActorRolloutRefWorker.compute_log_prob`` -> ``TrainingWorker.infer_batch``
+    (``workers/engine_workers.py`` ~398) does for the trainer's old-log-prob pass
+    (``trainer/ppo/v1/trainer_base.py`` ~1653: ``calculate_entropy=True``, ``compute_loss=False``):
+    the engine's log-prob micro-batching (``infer_max_token_len_per_gpu`` /
+    ``infer_micro_batch_size_per_gpu``), eval mode, no loss function. (The worker is not built:
+    importing ``verl.workers.engine_workers`` needs fastapi, uvicorn and Ray.)
+    """
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    config = engine.engine_config
+    data = batch.copy()
+    tu.assign_non_tensor(
+        data, calculate_entropy=calculate_entropy, compute_loss=False, use_dynamic_bsz=config.use_dynamic_bsz,
+        max_token_len_per_gpu=config.infer_max_token_len_per_gpu,
+        micro_batch_size_per_gpu=config.infer_micro_batch_size_per_gpu, use_fused_kernels=config.use_fused_kernels,
+    )
+    with engine.eval_mode():
+        output = engine.infer_batch(data, loss_function=None)
+    return no_padding_2_padding(output["model_output"]["log_probs"], data).float()
+
+
+@contextlib.contextmanager
+def count_logprob_calls() -> Iterator[Counter]:
+    """Count calls of verl's log-prob kernels (the functions ``logprobs_from_logits`` dispatches to)."""
+    import verl.utils.torch_functional as verl_F
+
+    calls: Counter = Counter()
+    originals = {name: getattr(verl_F, name) for name in _LOGPROB_FUNCTIONS if hasattr(verl_F, name)}
+
+    def counted(name: str, function: Callable) -> Callable:
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    for name, function in originals.items():
+        setattr(verl_F, name, counted(name, function))
+    try:
+        yield calls
+    finally:
+        for name, function in originals.items():
+            setattr(verl_F, name, function)
+
+
+class Meter:
+    """Seconds and peak allocated bytes of one operation on ``device`` (peaks only on cuda)."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def measure(self, operation: Callable[[], Any]) -> tuple[Any, float, Optional[int], Optional[int]]:
+        """(result, seconds, peak bytes, bytes allocated before): peaks None off cuda."""
+        self.sync()
+        before = None
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        started = time.perf_counter()
+        result = operation()
+        self.sync()
+        seconds = time.perf_counter() - started
+        peak = torch.cuda.max_memory_allocated() if self.cuda else None
+        return result, seconds, peak, before
+
+
+def _build_model(phase: Phase) -> tuple[str, dict]:
+    from verl_klcov_global import _tiny
+    from verl_klcov_global.diagnose import quiet_verl
+
+    path = os.path.join(phase.scratch, f"step-{phase.sizes.step_model}")
+    with quiet_verl():
+        if phase.sizes.step_model == "tiny":
+            kwargs = dict(_tiny.TINY_MODEL_KWARGS)
+            _tiny.build_tiny_model(path)
+        else:
+            kwargs = dict(QWEN25_05B_LIKE)
+            _tiny.build_random_model(path, kwargs, seed=0, dtype=torch.bfloat16, device=phase.device)
+    return path, kwargs
+
+
+def _micro_batches(batch, max_token_len: int) -> list[int]:
+    """Tokens of each micro-batch verl's dynamic batching forms from ``batch`` with this token budget."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.utils import prepare_micro_batches
+
+    data = batch.copy()
+    tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=max_token_len)
+    micro_batches, _ = prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=False)
+    return [int(mb["input_ids"].offsets().diff().sum()) for mb in micro_batches]
+
+
+def _counted_ppo_loss(counter: list, config, model_output, data, dp_group=None):
+    from verl.workers.utils.losses import ppo_loss
+
+    counter.append(1)
+    return ppo_loss(config, model_output, data, dp_group)
+
+
+def _observe_attention(phase: Phase, engine, vocab_size: int) -> dict:
+    """The model's attention implementation and the aten attention / log-softmax ops of a profiled prepass
+    on a 2-sequence minibatch (same kernels as the big one: the same masks, dtypes and dispatch)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from verl_klcov_global import _tiny, hook
+
+    model = getattr(engine.module, "module", engine.module)
+    config = getattr(model, "config", None)
+    small = _tiny.make_minibatch(batch_size=2, prompt_len=16, response_len=64, vary_lengths=True, seed=7,
+                                 vocab_size=vocab_size, use_remove_padding=True, use_dynamic_bsz=True,
+                                 max_token_len_per_gpu=phase.sizes.step_max_token_len)
+    wanted = ("scaled_dot_product", "flash", "attention", "log_softmax", "logsumexp", "cross_entropy")
+    with engine.train_mode(), profile(activities=[ProfilerActivity.CPU]) as profiler:
+        hook.compute_prepass_log_probs(engine, small, "infer")
+    ops = {event.key: event.count for event in profiler.key_averages()
+           if event.key.startswith("aten::") and any(word in event.key for word in wanted)}
+    return {"attn_implementation": getattr(config, "_attn_implementation", None), "prepass_aten_ops": ops}
+
+
+def _median(values: list[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
+def run(phase: Phase) -> None:
+    from verl_klcov_global import _cpu, _tiny, hook
+    from verl_klcov_global.diagnose import quiet_verl
+    from verl_klcov_global.experiment import registered_global_modes, upstream_mode
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    sizes, data, meter = phase.sizes, phase.data, Meter(phase.device)
+    pairs = [(upstream_mode(m), m) for m in registered_global_modes() if upstream_mode(m) in POLICY_LOSS_REGISTRY]
+    modes = [mode for pair in pairs for mode in pair]
+
+    started = time.monotonic()
+    path, model_kwargs = _build_model(phase)
+    data["model"] = {"name": sizes.step_model, "config": model_kwargs, "weights": "random, saved in "
+                     + ("bf16" if sizes.step_model != "tiny" else "fp32"), "build_seconds": round(time.monotonic() - started, 1)}
+    started = time.monotonic()
+    with quiet_verl():
+        engine = _cpu.build_fsdp_engine(
+            path, device=phase.device, strategy="fsdp2", dtype="bf16", lr=1e-6, clip_grad=1.0, optimizer="AdamW",
+            use_remove_padding=True, use_dynamic_bsz=True, max_token_len_per_gpu=sizes.step_max_token_len,
+            infer_max_token_len_per_gpu=sizes.step_infer_max_token_len, gradient_checkpointing=True,
+        )
+    data["engine"] = {
+        "strategy": "fsdp2", "world_size": 1, "compute": "bf16 (fp32 master weights)", "optimizer": "AdamW lr 1e-6",
+        "gradient_checkpointing": True, "use_remove_padding": True, "use_dynamic_bsz": True,
+        "ppo_max_token_len_per_gpu": sizes.step_max_token_len,
+        "log_prob_max_token_len_per_gpu": sizes.step_infer_max_token_len,
+        "build_seconds": round(time.monotonic() - started, 1),
+        "parameters": int(sum(p.numel() for p in engine.module.parameters())),
+    }
+    progress(f"  model {sizes.step_model}: {data['engine']['parameters']:,} parameters, engine built in "
+             f"{data['engine']['build_seconds']} s")
+
+    common = dict(batch_size=sizes.step_batch, prompt_len=sizes.step_prompt, response_len=sizes.step_response_max,
+                  min_response_len=sizes.step_response_min, vary_lengths=True, seed=0,
+                  vocab_size=model_kwargs["vocab_size"], use_remove_padding=True, use_dynamic_bsz=True,
+                  max_token_len_per_gpu=sizes.step_max_token_len)
+    probe = _tiny.make_minibatch(**common)
+    samples: dict[str, list[float]] = {}
+    peaks: dict[str, list[int]] = {}
+    warmup: dict[str, float] = {}
+    kernels: dict[str, dict[str, int]] = {}
+    losses_called: dict[str, int] = {}
+    hook_prepass: dict[str, list[float]] = {}
+
+    warmup_peaks: dict[str, int] = {}
+
+    def record(name: str, seconds: float, peak: Optional[int], timed: bool) -> None:
+        if timed:
+            samples.setdefault(name, []).append(seconds)
+            if peak is not None:
+                peaks.setdefault(name, []).append(peak)
+        else:
+            warmup[name] = seconds
+            if peak is not None:
+                warmup_peaks[name] = peak
+
+    def save_figures() -> None:
+        timed = bool(samples)
+        data["figures_from"] = "timed rounds (medians; peak: max)" if timed else "the warm-up round only"
+        data["warmup_seconds"] = warmup
+        data["samples_seconds"] = samples
+        data["median_seconds"] = ({name: _median(values) for name, values in samples.items()} if timed
+                                  else dict(warmup))
+        data["peak_gib"] = ({name: max(values) / GIB for name, values in peaks.items()} if timed
+                            else {name: value / GIB for name, value in warmup_peaks.items()})
+        data["logprob_calls"] = kernels
+        data["loss_calls_per_step"] = losses_called
+        data["hook_prepass_seconds"] = {m: _median(v) for m, v in hook_prepass.items()}
+        data["ratios"] = _ratios(data, pairs)
+
+    # The warm-up compute_log_prob also gives the minibatch its old_log_probs, as in training.
+    with quiet_verl(), count_logprob_calls() as calls:
+        old_log_probs, seconds, peak, base = meter.measure(lambda: compute_log_prob(engine, probe))
+    record("compute_log_prob", seconds, peak, timed=False)
+    kernels["compute_log_prob"] = dict(calls)
+    batch = _tiny.make_minibatch(**common, log_probs=old_log_probs)
+    responses = hook.padded(batch["response_mask"]).sum(1)
+    data["minibatch"] = {
+        "sequences": sizes.step_batch, "tokens": int(batch["input_ids"].offsets().diff().sum()),
+        "response_tokens": int(responses.sum()), "response_len_min": int(responses.min()),
+        "response_len_max": int(responses.max()),
+        "train_micro_batch_tokens": _micro_batches(batch, sizes.step_max_token_len),
+        "infer_micro_batch_tokens": _micro_batches(batch, sizes.step_infer_max_token_len),
+    }
+    data["memory_before_gib"] = None if base is None else base / GIB
+    progress(f"  minibatch: {data['minibatch']['sequences']} sequences, {data['minibatch']['tokens']:,} tokens, "
+             f"{len(data['minibatch']['train_micro_batch_tokens'])} training / "
+             f"{len(data['minibatch']['infer_micro_batch_tokens'])} log-prob micro-batches; warm-up "
+             f"compute_log_prob {seconds:.2f} s")
+
+    configs = {mode: _tiny.make_actor_config(loss_mode=mode, kl_cov_ratio=sizes.kl_cov_ratio, ppo_kl_coef=1.0,
+                                             ppo_mini_batch_size=sizes.step_batch) for mode in modes}
+
+    def prepass():
+        with engine.train_mode():
+            return hook.compute_prepass_log_probs(engine, batch.copy(), "infer")
+
+    def train_step(mode: str):
+        counter: list = []
+        loss = functools.partial(_counted_ppo_loss, counter, config=configs[mode])
+        with engine.train_mode():
+            output = engine.train_batch(batch.copy(), loss_function=loss)
+        losses_called[mode] = len(counter)
+        metric = output.get("metrics", {}).get("actor/kl_cov/prepass_seconds") if isinstance(output, dict) else None
+        if metric is not None:
+            value = metric.aggregate() if hasattr(metric, "aggregate") else metric
+            hook_prepass.setdefault(mode, []).append(float(value[0] if isinstance(value, list) else value))
+        return output
+
+    operations = [("compute_log_prob", lambda: compute_log_prob(engine, batch)), ("prepass", prepass)]
+    rounds, done, cut_short = sizes.step_reps, 0, None
+    round_seconds = None
+    for round_index in range(-1, rounds):  # -1: the warm-up round
+        timed = round_index >= 0
+        if round_seconds is not None and phase.remaining() < round_seconds + 15:
+            cut_short = (f"{rounds - done} timed round(s) of ~{round_seconds:.0f} s left out: "
+                         f"{max(0.0, phase.remaining()):.0f} s of the phase budget left")
+            phase.note(cut_short)
+            break
+        shift = max(0, round_index) % max(1, len(modes))
+        order = operations + [(f"step {m}", functools.partial(train_step, m)) for m in modes[shift:] + modes[:shift]]
+        round_started = time.monotonic()
+        for name, operation in order:
+            if name == "compute_log_prob" and not timed:
+                continue  # warmed up above
+            with quiet_verl(), count_logprob_calls() as calls:
+                _, seconds, peak, _ = meter.measure(operation)
+            record(name, seconds, peak, timed)
+            if not timed:
+                kernels[name] = dict(calls)
+            progress(f"  {'round ' + str(round_index + 1) if timed else 'warm-up'}: {name} {seconds:.2f} s"
+                     + (f", peak {peak / GIB:.1f} GiB" if peak is not None else ""))
+        # the warm-up round lacks compute_log_prob: allow for it
+        round_seconds = (time.monotonic() - round_started) + (0 if timed else warmup["compute_log_prob"])
+        done += int(timed)
+        save_figures()
+    data["timed_rounds"] = done
+    with quiet_verl():
+        data["attention"] = _observe_attention(phase, engine, model_kwargs["vocab_size"])
+    save_figures()
+    _checks(phase, data, pairs)
+    from verl_klcov_global.experiment import _release
+
+    _release(engine)
+    if cut_short:
+        raise PhaseBudgetExceeded(cut_short)
+
+
+def _ratios(data: dict, pairs: list[tuple[str, str]]) -> dict:
+    med, peak = data["median_seconds"], data["peak_gib"]
+
+    def ratio(table: dict, a: str, b: str) -> Optional[float]:
+        return table[a] / table[b] if table.get(a) and table.get(b) else None
+
+    out = {"prepass/compute_log_prob seconds": ratio(med, "prepass", "compute_log_prob"),
+           "prepass/compute_log_prob peak": ratio(peak, "prepass", "compute_log_prob")}
+    for upstream, mode in pairs:
+        out[f"{mode}/{upstream} seconds"] = ratio(med, f"step {mode}", f"step {upstream}")
+        out[f"{mode}/{upstream} peak"] = ratio(peak, f"step {mode}", f"step {upstream}")
+        out[f"prepass/step {upstream} seconds"] = ratio(med, "prepass", f"step {upstream}")
+    return out
+
+
+def _checks(phase: Phase, data: dict, pairs: list[tuple[str, str]]) -> None:
+    train_mbs = len(data["minibatch"]["train_micro_batch_tokens"])
+    calls = set(data["loss_calls_per_step"].values())
+    phase.check("several micro-batches", train_mbs > 1 and calls == {train_mbs},
+                f"{train_mbs} training micro-batches; loss called {sorted(calls)} time(s) per step")
+    for upstream, mode in pairs:
+        ratio = data["ratios"].get(f"{mode}/{upstream} seconds")
+        progress(f"  step time {mode} / {upstream}: {ratio:.2f}" if ratio else f"  step time {mode}: no ratio")
+    peak = data["peak_gib"]
+    if phase.device != "cuda":
+        phase.check("prepass peak <= compute_log_prob peak", None, "no allocator statistics on cpu")
+        return
+    phase.check("prepass peak <= compute_log_prob peak", peak["prepass"] <= peak["compute_log_prob"],
+                f"prepass {peak['prepass']:.2f} GiB, verl's compute_log_prob {peak['compute_log_prob']:.2f} GiB")
