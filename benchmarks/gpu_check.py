@@ -71,7 +71,7 @@ class Sizes:
 
 
 GPU = Sizes(
-    budget_seconds=420,
+    budget_seconds=400,
     phase_budgets={"env": 30, "branches": 60, "diagnose": 150, "step": 220},
     diagnose_blocks=3, diagnose_batch=64, diagnose_prompt=16, diagnose_response=128, diagnose_micro_batches=8,
     # examples/dapo_kl_cov_global.sh: one token budget for training and log-probs; ratio 0.002 [paper, 7B]
@@ -362,7 +362,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, same code (CI)")
     parser.add_argument("--json", help="report path (default out/gpu_check.json, smoke out/gpu_check_smoke.json)")
     parser.add_argument("--phases", nargs="+", choices=PHASES, help="run only these phases (default: all)")
-    parser.add_argument("--budget", type=float, help="overall time budget in seconds (default 420, smoke 170)")
+    parser.add_argument("--budget", type=float, help="overall time budget in seconds (default 400, smoke 170)")
     args = parser.parse_args(argv)
     if args.json is None:
         args.json = "out/gpu_check_smoke.json" if args.smoke else "out/gpu_check.json"
