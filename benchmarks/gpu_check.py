@@ -162,6 +162,20 @@ def _version(module_name: str) -> Optional[str]:
     return str(getattr(module, "__version__", "?"))
 
 
+def _nccl_version() -> str:
+    try:
+        version = torch_nccl_version()
+    except Exception as error:  # noqa: BLE001 - recorded, not raised
+        return f"unavailable: {error!r}"
+    return ".".join(map(str, version)) if isinstance(version, (tuple, list)) else str(version)
+
+
+def torch_nccl_version():
+    import torch
+
+    return torch.cuda.nccl.version()
+
+
 def phase_env(phase: Phase) -> None:
     import importlib.metadata
     import importlib.util
@@ -185,7 +199,7 @@ def phase_env(phase: Phase) -> None:
     cuda = phase.device == "cuda"
     data["accelerator"] = torch.cuda.get_device_name(0) if cuda else None
     data["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability(0))) if cuda else None
-    data["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
+    data["nccl"] = _nccl_version() if cuda else None
     data["cpu_count"] = os.cpu_count()
     data["flash_attn_installed"] = importlib.util.find_spec("flash_attn") is not None
     data["logprob_kernel_verl_selects"] = logprob_kernel_verl_selects()

@@ -51,6 +51,8 @@ if ! has_module ray; then
 fi
 export VERL_USE_EXTERNAL_MODULES=verl_klcov_global
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# One process, one rank: NCCL's bootstrap needs no network; loopback avoids picking an interface.
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 
 if [ "$SMOKE" -eq 1 ]; then LIMIT=${GPU_CHECK_TIMEOUT:-300}; JSON=out/gpu_check_smoke.json
 else LIMIT=${GPU_CHECK_TIMEOUT:-450}; JSON=out/gpu_check.json; fi

@@ -167,7 +167,7 @@ def build_random_model(
         torch.manual_seed(seed)
         with torch.device(device):
             model = Qwen2ForCausalLM(config)
-        model.to(dtype).save_pretrained(tmp)
+        model.to(device="cpu", dtype=dtype).save_pretrained(tmp)
         del model
         tokenizer.save_pretrained(tmp)
         GenerationConfig(**ids).save_pretrained(tmp)
