@@ -124,7 +124,8 @@ def _check_logits_path(phase: Phase) -> None:
     name = "accelerator logits path" if on_device else "CPU logits path"
     phase.check(name, identical and routed,
                 f"{phase.device} fp32 logits in the prepass went through {path} "
-                f"(expected {'verl' if on_device else 'chunked'}); result {'bit-identical' if identical else 'DIFFERS'}")
+                f"(expected {'verl' if on_device else 'chunked'}); "
+                f"result {'bit-identical' if identical else 'DIFFERS'}")
     if not on_device:
         phase.check("accelerator logits path", None, "no accelerator logits on cpu (the CPU branch is checked above)")
 
@@ -172,7 +173,8 @@ def _check_selection_over_group(phase: Phase, engine, batch, log_probs: torch.Te
     metrics = output.get("metrics", {}) if isinstance(output, dict) else {}
     timed = "actor/kl_cov/prepass_seconds" in metrics
     group = "NCCL" if phase.device == "cuda" else "gloo"
-    phase.data["selection"] = {"quota": quota, "selected": selection.num_selected, "mask_device": str(selection.mask.device)}
+    phase.data["selection"] = {"quota": quota, "selected": selection.num_selected,
+                               "mask_device": str(selection.mask.device)}
     phase.check(f"selection over the {group} group", same and on_device and selection.num_selected == quota and timed,
                 f"kl_cov_global step: {selection.num_selected} of quota {quota} selected, mask on "
                 f"{selection.mask.device}, {'identical to' if same else 'DIFFERENT from'} the selection without a "

@@ -172,20 +172,50 @@ def _median(values: list[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def run(phase: Phase) -> None:
-    from verl_klcov_global import _cpu, _tiny, hook
+class Figures:
+    """Seconds and peaks per operation: the warm-up round's and the timed rounds'; writes them into ``data``."""
+
+    def __init__(self, data: dict, pairs: list[tuple[str, str]]):
+        self.data, self.pairs = data, pairs
+        self.samples: dict[str, list[float]] = {}
+        self.peaks: dict[str, list[int]] = {}
+        self.warmup: dict[str, float] = {}
+        self.warmup_peaks: dict[str, int] = {}
+        self.logprob_calls: dict[str, dict[str, int]] = {}
+        self.loss_calls: dict[str, int] = {}
+        self.hook_prepass: dict[str, list[float]] = {}
+
+    def record(self, name: str, seconds: float, peak: Optional[int], timed: bool) -> None:
+        if timed:
+            self.samples.setdefault(name, []).append(seconds)
+            if peak is not None:
+                self.peaks.setdefault(name, []).append(peak)
+        else:
+            self.warmup[name] = seconds
+            if peak is not None:
+                self.warmup_peaks[name] = peak
+
+    def save(self) -> None:
+        """Medians (peaks: maxima) of the timed rounds, or the warm-up's when no round was timed."""
+        timed = bool(self.samples)
+        data = self.data
+        data["figures_from"] = "timed rounds (medians; peak: max)" if timed else "the warm-up round only"
+        data["warmup_seconds"] = self.warmup
+        data["samples_seconds"] = self.samples
+        data["median_seconds"] = ({n: _median(v) for n, v in self.samples.items()} if timed else dict(self.warmup))
+        data["peak_gib"] = ({n: max(v) / GIB for n, v in self.peaks.items()} if timed
+                            else {n: v / GIB for n, v in self.warmup_peaks.items()})
+        data["logprob_calls"] = self.logprob_calls
+        data["loss_calls_per_step"] = self.loss_calls
+        data["hook_prepass_seconds"] = {m: _median(v) for m, v in self.hook_prepass.items()}
+        data["ratios"] = _ratios(data, self.pairs)
+
+
+def _build_engine(phase: Phase, path: str):
+    from verl_klcov_global import _cpu
     from verl_klcov_global.diagnose import quiet_verl
-    from verl_klcov_global.experiment import registered_global_modes, upstream_mode
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-    sizes, data, meter = phase.sizes, phase.data, Meter(phase.device)
-    pairs = [(upstream_mode(m), m) for m in registered_global_modes() if upstream_mode(m) in POLICY_LOSS_REGISTRY]
-    modes = [mode for pair in pairs for mode in pair]
-
-    started = time.monotonic()
-    path, model_kwargs = _build_model(phase)
-    data["model"] = {"name": sizes.step_model, "config": model_kwargs, "weights": "random, saved in "
-                     + ("bf16" if sizes.step_model != "tiny" else "fp32"), "build_seconds": round(time.monotonic() - started, 1)}
+    sizes = phase.sizes
     started = time.monotonic()
     with quiet_verl():
         engine = _cpu.build_fsdp_engine(
@@ -193,7 +223,7 @@ def run(phase: Phase) -> None:
             use_remove_padding=True, use_dynamic_bsz=True, max_token_len_per_gpu=sizes.step_max_token_len,
             infer_max_token_len_per_gpu=sizes.step_infer_max_token_len, gradient_checkpointing=True,
         )
-    data["engine"] = {
+    phase.data["engine"] = {
         "strategy": "fsdp2", "world_size": 1, "compute": "bf16 (fp32 master weights)", "optimizer": "AdamW lr 1e-6",
         "gradient_checkpointing": True, "use_remove_padding": True, "use_dynamic_bsz": True,
         # verl's default compiles the entropy function (compute_log_prob only); eager here saves the compile
@@ -203,66 +233,25 @@ def run(phase: Phase) -> None:
         "build_seconds": round(time.monotonic() - started, 1),
         "parameters": int(sum(p.numel() for p in engine.module.parameters())),
     }
-    progress(f"  model {sizes.step_model}: {data['engine']['parameters']:,} parameters, engine built in "
-             f"{data['engine']['build_seconds']} s")
+    return engine
 
-    common = dict(batch_size=sizes.step_batch, prompt_len=sizes.step_prompt, response_len=sizes.step_response_max,
-                  min_response_len=sizes.step_response_min, vary_lengths=True, seed=0,
-                  vocab_size=model_kwargs["vocab_size"], use_remove_padding=True, use_dynamic_bsz=True,
-                  max_token_len_per_gpu=sizes.step_max_token_len)
-    probe = _tiny.make_minibatch(**common)
-    samples: dict[str, list[float]] = {}
-    peaks: dict[str, list[int]] = {}
-    warmup: dict[str, float] = {}
-    kernels: dict[str, dict[str, int]] = {}
-    losses_called: dict[str, int] = {}
-    hook_prepass: dict[str, list[float]] = {}
 
-    warmup_peaks: dict[str, int] = {}
+def _describe_minibatch(batch, sizes) -> dict:
+    from verl_klcov_global import hook
 
-    def record(name: str, seconds: float, peak: Optional[int], timed: bool) -> None:
-        if timed:
-            samples.setdefault(name, []).append(seconds)
-            if peak is not None:
-                peaks.setdefault(name, []).append(peak)
-        else:
-            warmup[name] = seconds
-            if peak is not None:
-                warmup_peaks[name] = peak
-
-    def save_figures() -> None:
-        timed = bool(samples)
-        data["figures_from"] = "timed rounds (medians; peak: max)" if timed else "the warm-up round only"
-        data["warmup_seconds"] = warmup
-        data["samples_seconds"] = samples
-        data["median_seconds"] = ({name: _median(values) for name, values in samples.items()} if timed
-                                  else dict(warmup))
-        data["peak_gib"] = ({name: max(values) / GIB for name, values in peaks.items()} if timed
-                            else {name: value / GIB for name, value in warmup_peaks.items()})
-        data["logprob_calls"] = kernels
-        data["loss_calls_per_step"] = losses_called
-        data["hook_prepass_seconds"] = {m: _median(v) for m, v in hook_prepass.items()}
-        data["ratios"] = _ratios(data, pairs)
-
-    # The warm-up compute_log_prob also gives the minibatch its old_log_probs, as in training.
-    with quiet_verl(), count_logprob_calls() as calls:
-        old_log_probs, seconds, peak, base = meter.measure(lambda: compute_log_prob(engine, probe))
-    record("compute_log_prob", seconds, peak, timed=False)
-    kernels["compute_log_prob"] = dict(calls)
-    batch = _tiny.make_minibatch(**common, log_probs=old_log_probs)
     responses = hook.padded(batch["response_mask"]).sum(1)
-    data["minibatch"] = {
+    return {
         "sequences": sizes.step_batch, "tokens": int(batch["input_ids"].offsets().diff().sum()),
         "response_tokens": int(responses.sum()), "response_len_min": int(responses.min()),
         "response_len_max": int(responses.max()),
         "train_micro_batch_tokens": _micro_batches(batch, sizes.step_max_token_len),
         "infer_micro_batch_tokens": _micro_batches(batch, sizes.step_infer_max_token_len),
     }
-    data["memory_before_gib"] = None if base is None else base / GIB
-    progress(f"  minibatch: {data['minibatch']['sequences']} sequences, {data['minibatch']['tokens']:,} tokens, "
-             f"{len(data['minibatch']['train_micro_batch_tokens'])} training / "
-             f"{len(data['minibatch']['infer_micro_batch_tokens'])} log-prob micro-batches; warm-up "
-             f"compute_log_prob {seconds:.2f} s")
+
+
+def _operations(engine, batch, sizes, modes: list[str], figures: Figures) -> dict[str, Callable[[], Any]]:
+    """The measured operations by name: compute_log_prob, prepass, and one training step per mode."""
+    from verl_klcov_global import _tiny, hook
 
     configs = {mode: _tiny.make_actor_config(loss_mode=mode, kl_cov_ratio=sizes.kl_cov_ratio, ppo_kl_coef=1.0,
                                              ppo_mini_batch_size=sizes.step_batch) for mode in modes}
@@ -276,47 +265,99 @@ def run(phase: Phase) -> None:
         loss = functools.partial(_counted_ppo_loss, counter, config=configs[mode])
         with engine.train_mode():
             output = engine.train_batch(batch.copy(), loss_function=loss)
-        losses_called[mode] = len(counter)
+        figures.loss_calls[mode] = len(counter)
         metric = output.get("metrics", {}).get("actor/kl_cov/prepass_seconds") if isinstance(output, dict) else None
         if metric is not None:
             value = metric.aggregate() if hasattr(metric, "aggregate") else metric
-            hook_prepass.setdefault(mode, []).append(float(value[0] if isinstance(value, list) else value))
+            figures.hook_prepass.setdefault(mode, []).append(float(value[0] if isinstance(value, list) else value))
         return output
 
-    operations = [("compute_log_prob", lambda: compute_log_prob(engine, batch)), ("prepass", prepass)]
-    rounds, done, cut_short = sizes.step_reps, 0, None
-    round_seconds = None
+    operations = {"compute_log_prob": lambda: compute_log_prob(engine, batch), "prepass": prepass}
+    operations.update({f"step {mode}": functools.partial(train_step, mode) for mode in modes})
+    return operations
+
+
+def _run_rounds(phase: Phase, meter: Meter, operations: dict, modes: list[str], figures: Figures,
+                compute_log_prob_warmup: float) -> Optional[str]:
+    """One warm-up round (compute_log_prob already warmed up), then the timed rounds that fit the budget.
+
+    Returns why rounds were left out, or None. Training steps run in an order rotated every round.
+    """
+    from verl_klcov_global.diagnose import quiet_verl
+
+    rounds, done, round_seconds = phase.sizes.step_reps, 0, None
     for round_index in range(-1, rounds):  # -1: the warm-up round
         timed = round_index >= 0
         if round_seconds is not None and phase.remaining() < round_seconds + 15:
-            cut_short = (f"{rounds - done} timed round(s) of ~{round_seconds:.0f} s left out: "
-                         f"{max(0.0, phase.remaining()):.0f} s of the phase budget left")
-            phase.note(cut_short)
-            break
+            why = (f"{rounds - done} timed round(s) of ~{round_seconds:.0f} s left out: "
+                   f"{max(0.0, phase.remaining()):.0f} s of the phase budget left")
+            phase.note(why)
+            phase.data["timed_rounds"] = done
+            return why
         shift = max(0, round_index) % max(1, len(modes))
-        order = operations + [(f"step {m}", functools.partial(train_step, m)) for m in modes[shift:] + modes[:shift]]
-        round_started = time.monotonic()
-        for name, operation in order:
+        order = ["compute_log_prob", "prepass"] + [f"step {m}" for m in modes[shift:] + modes[:shift]]
+        started = time.monotonic()
+        for name in order:
             if name == "compute_log_prob" and not timed:
-                continue  # warmed up above
+                continue  # warmed up already (it made the minibatch's old_log_probs)
             with quiet_verl(), count_logprob_calls() as calls:
-                _, seconds, peak, _ = meter.measure(operation)
-            record(name, seconds, peak, timed)
+                _, seconds, peak, _ = meter.measure(operations[name])
+            figures.record(name, seconds, peak, timed)
             if not timed:
-                kernels[name] = dict(calls)
+                figures.logprob_calls[name] = dict(calls)
             progress(f"  {'round ' + str(round_index + 1) if timed else 'warm-up'}: {name} {seconds:.2f} s"
                      + (f", peak {peak / GIB:.1f} GiB" if peak is not None else ""))
-        # the warm-up round lacks compute_log_prob: allow for it
-        round_seconds = (time.monotonic() - round_started) + (0 if timed else warmup["compute_log_prob"])
+        round_seconds = time.monotonic() - started + (0.0 if timed else compute_log_prob_warmup)
         done += int(timed)
-        save_figures()
-    data["timed_rounds"] = done
+        figures.save()
+    phase.data["timed_rounds"] = done
+    return None
+
+
+def run(phase: Phase) -> None:
+    from verl_klcov_global import _tiny
+    from verl_klcov_global.diagnose import quiet_verl
+    from verl_klcov_global.experiment import _release, registered_global_modes, upstream_mode
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    sizes, data, meter = phase.sizes, phase.data, Meter(phase.device)
+    pairs = [(upstream_mode(m), m) for m in registered_global_modes() if upstream_mode(m) in POLICY_LOSS_REGISTRY]
+    modes = [mode for pair in pairs for mode in pair]
+    figures = Figures(data, pairs)
+
+    started = time.monotonic()
+    path, model_kwargs = _build_model(phase)
+    data["model"] = {"name": sizes.step_model, "config": model_kwargs,
+                     "weights": "random, saved in " + ("fp32" if sizes.step_model == "tiny" else "bf16"),
+                     "build_seconds": round(time.monotonic() - started, 1)}
+    engine = _build_engine(phase, path)
+    progress(f"  model {sizes.step_model}: {data['engine']['parameters']:,} parameters, engine built in "
+             f"{data['engine']['build_seconds']} s")
+
+    common = dict(batch_size=sizes.step_batch, prompt_len=sizes.step_prompt, response_len=sizes.step_response_max,
+                  min_response_len=sizes.step_response_min, vary_lengths=True, seed=0,
+                  vocab_size=model_kwargs["vocab_size"], use_remove_padding=True, use_dynamic_bsz=True,
+                  max_token_len_per_gpu=sizes.step_max_token_len)
+    # The warm-up compute_log_prob gives the minibatch its old_log_probs, as in training.
+    probe = _tiny.make_minibatch(**common)
+    with quiet_verl(), count_logprob_calls() as calls:
+        old_log_probs, seconds, peak, before = meter.measure(lambda: compute_log_prob(engine, probe))
+    figures.record("compute_log_prob", seconds, peak, timed=False)
+    figures.logprob_calls["compute_log_prob"] = dict(calls)
+    batch = _tiny.make_minibatch(**common, log_probs=old_log_probs)
+    data["minibatch"] = _describe_minibatch(batch, sizes)
+    data["memory_before_gib"] = None if before is None else before / GIB
+    progress(f"  minibatch: {sizes.step_batch} sequences, {data['minibatch']['tokens']:,} tokens, "
+             f"{len(data['minibatch']['train_micro_batch_tokens'])} training / "
+             f"{len(data['minibatch']['infer_micro_batch_tokens'])} log-prob micro-batches; warm-up "
+             f"compute_log_prob {seconds:.2f} s")
+
+    operations = _operations(engine, batch, sizes, modes, figures)
+    cut_short = _run_rounds(phase, meter, operations, modes, figures, seconds)
     with quiet_verl():
         data["attention"] = _observe_attention(phase, engine, model_kwargs["vocab_size"])
-    save_figures()
+    figures.save()
     _checks(phase, data, pairs)
-    from verl_klcov_global.experiment import _release
-
     _release(engine)
     if cut_short:
         raise PhaseBudgetExceeded(cut_short)
