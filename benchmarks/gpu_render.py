@@ -15,11 +15,20 @@ import json
 import sys
 from typing import Any, Optional
 
-from ._common import table
+from ._common import table as _table
 
 BEGIN = "<!-- gpu-check:begin (rendered from the kit's JSON by `python -m benchmarks.gpu_render`; do not edit) -->"
 END = "<!-- gpu-check:end -->"
 MARK = {True: "ok", False: "FAIL", None: "n/a"}
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A Markdown table whose cells may contain ``|`` (verdicts say max|dtheta|)."""
+
+    def escape(value: Any) -> Any:
+        return value.replace("|", "\\|") if isinstance(value, str) else value
+
+    return _table([escape(h) for h in headers], [[escape(v) for v in row] for row in rows])
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
