@@ -13,7 +13,7 @@
 #   PYTHON             interpreter (default: .venv/bin/python if present, else python3)
 #   GPU_WHEELS         wheels to install when verl is missing (default .whl, made by scripts/gpu_prepare.sh)
 #   GPU_SITE           where they are installed (default /tmp/site)
-#   GPU_CHECK_TIMEOUT  hard limit in seconds for the Python run (default 450 full, 300 smoke)
+#   GPU_CHECK_TIMEOUT  hard limit in seconds for the Python run (default 450 full, 330 smoke)
 #   OUT                when set (the GPU machine's return folder), the JSON and the log are copied there
 #
 # On the GPU machine the plugin is not pip-installed, so verl's entry point (group verl.plugins)
@@ -54,7 +54,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # One process, one rank: NCCL's bootstrap needs no network; loopback avoids picking an interface.
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 
-if [ "$SMOKE" -eq 1 ]; then LIMIT=${GPU_CHECK_TIMEOUT:-300}; JSON=out/gpu_check_smoke.json
+if [ "$SMOKE" -eq 1 ]; then LIMIT=${GPU_CHECK_TIMEOUT:-330}; JSON=out/gpu_check_smoke.json
 else LIMIT=${GPU_CHECK_TIMEOUT:-450}; JSON=out/gpu_check.json; fi
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do [ "${args[$i]}" = "--json" ] && JSON=${args[$((i + 1))]:-$JSON}; done

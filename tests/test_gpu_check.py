@@ -122,3 +122,46 @@ def test_ray_stub_provides_only_the_annotation_and_fails_loudly_otherwise():
     with pytest.raises(AttributeError, match="Ray is a stub"):
         stub.get  # noqa: B018
     assert not hasattr(stub, "init")
+
+
+def _kit_env() -> dict:
+    path = os.pathsep.join([os.path.join(ROOT, "src"), ROOT, os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "VERL_USE_EXTERNAL_MODULES": "verl_klcov_global"}
+
+
+@pytest.mark.slow
+def test_a_spent_budget_leaves_a_report_of_the_phases_that_finished(tmp_path):
+    """~15 s: env runs, then the overall budget is spent; exit status 3, the JSON says which phase did not run."""
+    path = tmp_path / "partial.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--smoke", "--phases", "env", "branches", "--budget", "8",
+         "--json", str(path)], cwd=ROOT, env=_kit_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 3, result.stdout[-3000:]
+    report = json.loads(path.read_text())
+    assert report["phases"]["env"]["status"] == "ok"
+    assert report["phases"]["branches"]["status"] == "incomplete"
+    assert "budget" in report["phases"]["branches"]["error"]
+    assert report["complete"] is False and report["exit_status"] == 3
+
+
+@pytest.mark.slow
+def test_sigterm_writes_the_report_and_exits_124(tmp_path):
+    """~20 s: the shell's timeout sends SIGTERM; the phase in progress is recorded as stopped."""
+    import signal
+
+    path = tmp_path / "stopped.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--smoke", "--phases", "env", "branches", "--json", str(path)],
+        cwd=ROOT, env=_kit_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in process.stdout:
+            if line.startswith("== phase branches"):
+                process.send_signal(signal.SIGTERM)
+                break
+        output = process.communicate(timeout=300)[0]
+    finally:
+        process.kill()
+    assert process.returncode == 124, output[-3000:]
+    report = json.loads(path.read_text())
+    assert report["phases"]["env"]["status"] == "ok"
+    assert report["phases"]["branches"]["status"] == "stopped" and report["exit_status"] == 124
