@@ -3,7 +3,8 @@
 One tiny-model engine, verl's FSDP1 (``strategy=fsdp``; the diagnose and step phases use FSDP2), fp32,
 remove-padding and dynamic batching, on the run's device. Checks:
 
-* ``process group``: the engine's data-parallel group is NCCL (gloo in the CPU smoke), world size 1;
+* ``process group``: the engine's data-parallel group uses NCCL for the device's tensors (gloo in the
+  CPU smoke), world size 1, and an all-reduce through it is right;
 * ``device RNG restored`` / ``CPU RNG restored``: ``hook.compute_prepass_log_probs`` on an engine
   whose ``infer_batch`` first draws from the CPU and the device generators (so the prepass does
   consume random numbers): both states equal their values before the prepass;
@@ -46,15 +47,24 @@ def _tiny_engine(phase: Phase):
 
 
 def _check_process_group(phase: Phase, engine) -> None:
+    """The DP group's backend for the run's device (NCCL on cuda, as verl's "cpu:gloo,cuda:nccl"), and one
+    all-reduce of a tensor on that device through it."""
     import torch.distributed as dist
 
     group = engine.get_data_parallel_group()
     backend = dist.get_backend(group)
+    # "cpu:gloo,cuda:nccl" -> {"cpu": "gloo", "cuda": "nccl"}; a plain name serves every device
+    by_device = dict(part.split(":") for part in backend.split(",")) if ":" in backend else {phase.device: backend}
     expected = "nccl" if phase.device == "cuda" else "gloo"
     world = dist.get_world_size(group)
+    value = torch.full((1,), 3.0, device=phase.device)
+    dist.all_reduce(value, group=group)
+    summed = float(value) == 3.0 * world
     phase.data["process_group"] = {"backend": backend, "world_size": world}
-    phase.check("process group", backend == expected and world == 1,
-                f"engine DP group backend {backend!r} (expected {expected!r}), world size {world}")
+    phase.check("process group", by_device.get(phase.device) == expected and world == 1 and summed,
+                f"engine DP group backend {backend!r} ({phase.device}: {by_device.get(phase.device)!r}, expected "
+                f"{expected!r}), world size {world}, all-reduce of a {phase.device} tensor "
+                f"{'correct' if summed else 'WRONG'}")
 
 
 def _check_rng_restored(phase: Phase, engine, batch) -> None:

@@ -382,7 +382,7 @@ def find_free_port() -> int:
 def init_process_group_cpu(
     rank: int = 0, world_size: int = 1, port: Optional[int] = None, backend: str = "gloo"
 ) -> None:
-    """Initialise torch.distributed with plain ``backend`` ("gloo"; "nccl" on a GPU) on 127.0.0.1.
+    """Initialise torch.distributed with ``backend`` ("gloo"; "cpu:gloo,cuda:nccl" on a GPU) on 127.0.0.1.
 
     Sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT. No-op when already initialised with the same world size;
@@ -518,7 +518,9 @@ def build_fsdp_engine(model_path: str, *, device: str = "cpu", seed: int = 0, **
         if not dist.is_initialized():
             init_process_group_cpu()
     elif not dist.is_initialized():  # an accelerator: verl's own platform, one NCCL rank
-        init_process_group_cpu(backend="nccl")
+        # verl's workers init "cpu:gloo,cuda:nccl" (utils/distributed.py), so CPU-tensor collectives work too
+        init_process_group_cpu(backend=f"cpu:gloo,{device}:nccl")
+        getattr(torch, device).set_device(int(os.environ["LOCAL_RANK"]))  # as verl's init does
 
     from verl.workers.engine.base import EngineRegistry
 
