@@ -2,7 +2,8 @@
 
 The smoke is the same program with tiny sizes on CPU (gloo instead of NCCL): every phase must
 finish, every check that applies to a CPU must pass, and exactly the accelerator-only checks are
-reported as not applicable. ~50 s on 2 shared cores (one smoke for the whole module).
+reported as not applicable. One smoke serves the module's slow tests; the module took 80 s on the
+2 shared cores here (load average ~6), the budget and SIGTERM tests ~25 s of it.
 """
 
 from __future__ import annotations
