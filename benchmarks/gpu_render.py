@@ -104,8 +104,9 @@ def step_tables(step: dict) -> str:
              f"tokens; figures from {step.get('figures_from')}, {step.get('timed_rounds')} timed round(s)")
     attention = step.get("attention", {})
     kernels = (f"attention: {attention.get('attn_implementation')}; aten ops in a profiled prepass: "
-               f"{attention.get('prepass_aten_ops')}; verl log-prob function calls per operation: "
-               f"{step.get('logprob_calls')}")
+               f"{attention.get('prepass_aten_ops')}; log-prob function calls per operation (verl's kernels and "
+               f"the plugin's batched path): {step.get('logprob_calls')}; the hook's own metrics in the steps "
+               f"(medians): {step.get('hook_metrics')}")
     return "\n\n".join([shape, batch, ops, ratios, kernels])
 
 

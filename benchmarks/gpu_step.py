@@ -12,7 +12,9 @@ memory from ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`
 
 * ``compute_log_prob``: verl's actor log-prob pass on the minibatch (:func:`compute_log_prob`);
   its first call is the warm-up and gives the ``old_log_probs`` of the minibatch, as in training;
-* ``prepass``: the plugin's prepass alone (``hook.compute_prepass_log_probs``, inference layout);
+* ``prepass``: the plugin's work before verl's step, alone: ``engine.optimizer_zero_grad()`` (the hook
+  frees the gradients first) and ``hook.run_prepass_and_select`` (the no-grad forward in the inference
+  layout and the selection);
 * ``step <mode>``: one ``engine.train_batch`` (zero_grad, all micro-batches, optimizer step) for verl's
   mode and the plugin's global mode (prepass and selection included), for every global mode whose verl
   counterpart is registered.
@@ -38,6 +40,8 @@ from .gpu_check import QWEN25_05B_LIKE, Phase, PhaseBudgetExceeded, progress
 
 GIB = float(1 << 30)
 _LOGPROB_FUNCTIONS = ("logprobs_from_logits_v2", "logprobs_from_logits_flash_attn", "logprobs_from_logits_torch_npu")
+#: The plugin's batched path (PATCH prepass_batched_logsumexp), counted under this name.
+PLUGIN_BATCHED = "hook.log_probs_in_place"
 
 
 def compute_log_prob(engine, batch, *, calculate_entropy: bool = True) -> torch.Tensor:
@@ -67,27 +71,32 @@ def compute_log_prob(engine, batch, *, calculate_entropy: bool = True) -> torch.
 
 @contextlib.contextmanager
 def count_logprob_calls() -> Iterator[Counter]:
-    """Count calls of verl's log-prob kernels (the functions ``logprobs_from_logits`` dispatches to)."""
+    """Count calls of verl's log-prob kernels (what ``logprobs_from_logits`` dispatches to) and of the
+    plugin's batched prepass path (:data:`PLUGIN_BATCHED`)."""
     import verl.utils.torch_functional as verl_F
 
-    calls: Counter = Counter()
-    originals = {name: getattr(verl_F, name) for name in _LOGPROB_FUNCTIONS if hasattr(verl_F, name)}
+    from verl_klcov_global import hook
 
-    def counted(name: str, function: Callable) -> Callable:
-        @functools.wraps(function)
+    calls: Counter = Counter()
+    targets = [(verl_F, name, name) for name in _LOGPROB_FUNCTIONS if hasattr(verl_F, name)]
+    targets.append((hook, "log_probs_in_place", PLUGIN_BATCHED))
+    originals = [(module, attr, getattr(module, attr)) for module, attr, _ in targets]
+
+    def counted(label: str, function: Callable) -> Callable:
+        @functools.wraps(function)  # the hook checks the signature of what it wraps
         def wrapper(*args, **kwargs):
-            calls[name] += 1
+            calls[label] += 1
             return function(*args, **kwargs)
 
         return wrapper
 
-    for name, function in originals.items():
-        setattr(verl_F, name, counted(name, function))
+    for (module, attr, label), (_, _, function) in zip(targets, originals):
+        setattr(module, attr, counted(label, function))
     try:
         yield calls
     finally:
-        for name, function in originals.items():
-            setattr(verl_F, name, function)
+        for module, attr, function in originals:
+            setattr(module, attr, function)
 
 
 class Meter:
@@ -183,7 +192,7 @@ class Figures:
         self.warmup_peaks: dict[str, int] = {}
         self.logprob_calls: dict[str, dict[str, int]] = {}
         self.loss_calls: dict[str, int] = {}
-        self.hook_prepass: dict[str, list[float]] = {}
+        self.hook_metrics: dict[str, dict[str, list[float]]] = {}  # mode -> metric -> values
 
     def record(self, name: str, seconds: float, peak: Optional[int], timed: bool) -> None:
         if timed:
@@ -207,7 +216,8 @@ class Figures:
                             else {n: v / GIB for n, v in self.warmup_peaks.items()})
         data["logprob_calls"] = self.logprob_calls
         data["loss_calls_per_step"] = self.loss_calls
-        data["hook_prepass_seconds"] = {m: _median(v) for m, v in self.hook_prepass.items()}
+        data["hook_metrics"] = {mode: {name: _median(values) for name, values in metrics.items()}
+                                for mode, metrics in self.hook_metrics.items()}
         data["ratios"] = _ratios(data, self.pairs)
 
 
@@ -252,13 +262,19 @@ def _describe_minibatch(batch, sizes) -> dict:
 def _operations(engine, batch, sizes, modes: list[str], figures: Figures) -> dict[str, Callable[[], Any]]:
     """The measured operations by name: compute_log_prob, prepass, and one training step per mode."""
     from verl_klcov_global import _tiny, hook
+    from verl_klcov_global.config import read_settings
 
     configs = {mode: _tiny.make_actor_config(loss_mode=mode, kl_cov_ratio=sizes.kl_cov_ratio, ppo_kl_coef=1.0,
                                              ppo_mini_batch_size=sizes.step_batch) for mode in modes}
 
+    settings = read_settings(_tiny.make_actor_config(loss_mode="kl_cov_global", kl_cov_ratio=sizes.kl_cov_ratio,
+                                                     ppo_kl_coef=1.0, ppo_mini_batch_size=sizes.step_batch))
+
     def prepass():
+        """The hook's work before verl's step: free the gradients, prepass forward, selection."""
         with engine.train_mode():
-            return hook.compute_prepass_log_probs(engine, batch.copy(), "infer")
+            engine.optimizer_zero_grad()
+            return hook.run_prepass_and_select(engine, batch.copy(), settings)
 
     def train_step(mode: str):
         counter: list = []
@@ -266,10 +282,13 @@ def _operations(engine, batch, sizes, modes: list[str], figures: Figures) -> dic
         with engine.train_mode():
             output = engine.train_batch(batch.copy(), loss_function=loss)
         figures.loss_calls[mode] = len(counter)
-        metric = output.get("metrics", {}).get("actor/kl_cov/prepass_seconds") if isinstance(output, dict) else None
-        if metric is not None:
-            value = metric.aggregate() if hasattr(metric, "aggregate") else metric
-            figures.hook_prepass.setdefault(mode, []).append(float(value[0] if isinstance(value, list) else value))
+        metrics = output.get("metrics", {}) if isinstance(output, dict) else {}
+        for name in ("prepass_seconds", "selection_seconds", "prepass_share"):
+            metric = metrics.get(f"actor/kl_cov/{name}")
+            if metric is not None:
+                value = metric.aggregate() if hasattr(metric, "aggregate") else metric
+                value = float(value[0] if isinstance(value, list) else value)
+                figures.hook_metrics.setdefault(mode, {}).setdefault(name, []).append(value)
         return output
 
     operations = {"compute_log_prob": lambda: compute_log_prob(engine, batch), "prepass": prepass}

@@ -43,8 +43,8 @@ def test_smoke_finishes_every_phase_and_passes_every_cpu_check(smoke):
     by_name = {check["name"]: check for check in report["checks"]}
     assert {name for name, check in by_name.items() if check["ok"] is None} == ACCELERATOR_ONLY
     assert all(check["ok"] is True for name, check in by_name.items() if name not in ACCELERATOR_ONLY)
-    for name in ("process group", "CPU RNG restored", "CPU logits path", "prepass = compute_log_prob",
-                 "selection over the gloo group", "several micro-batches"):
+    for name in ("process group", "CPU RNG restored", "CPU logits path", "prepass deterministic",
+                 "prepass = compute_log_prob", "selection over the gloo group", "several micro-batches"):
         assert by_name[name]["ok"] is True, by_name.get(name)
     assert "ALL CHECKS PASSED" in stdout
 
@@ -79,6 +79,9 @@ def test_smoke_step_measures_the_same_quantities_as_the_gpu_run(smoke):
     assert step["attention"]["attn_implementation"] == "sdpa"
     assert any("scaled_dot_product" in op for op in step["attention"]["prepass_aten_ops"])
     assert step["logprob_calls"]["step kl_cov"] == {"logprobs_from_logits_v2": 4}
+    # bf16 logits: the prepass keeps verl's row loop (the plugin's batched path takes fp32 only)
+    assert step["logprob_calls"]["prepass"] == {"logprobs_from_logits_v2": 2}
+    assert set(step["hook_metrics"]["kl_cov_global"]) == {"prepass_seconds", "selection_seconds", "prepass_share"}
     assert step["peak_gib"] == {}  # no allocator statistics on CPU: nothing is made up
 
 
