@@ -382,7 +382,7 @@ def find_free_port() -> int:
 def init_process_group_cpu(
     rank: int = 0, world_size: int = 1, port: Optional[int] = None, backend: str = "gloo"
 ) -> None:
-    """Initialise torch.distributed with plain ``backend`` ("gloo"; "nccl" on a GPU) on 127.0.0.1.
+    """Initialise torch.distributed with ``backend`` ("gloo"; "cpu:gloo,cuda:nccl" on a GPU) on 127.0.0.1.
 
     Sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT. No-op when already initialised with the same world size;
@@ -433,6 +433,7 @@ def fsdp_engine_configs(
     infer_micro_batch_size_per_gpu: Optional[int] = 16,
     infer_max_token_len_per_gpu: Optional[int] = 4096,
     gradient_checkpointing: bool = False,
+    optimizer: str = "SGD",
     seed: int = 0,
 ) -> dict[str, Any]:
     """verl's model/engine/optimizer/checkpoint configs of :func:`build_fsdp_engine`.
@@ -445,8 +446,11 @@ def fsdp_engine_configs(
         dtype: "fp32" (no autocast) or "bf16" (FSDP param_dtype bf16,
             reduce/buffer fp32; verl sets ``_autocast_dtype=bf16`` and runs the
             forward under ``torch.autocast``). Master weights fp32.
-        lr, clip_grad, weight_decay: plain ``torch.optim.SGD``, constant LR,
-            no warmup; weight decay 0 so parameters move only by gradients.
+        lr, clip_grad, weight_decay: constant LR, no warmup; weight decay 0 so
+            parameters move only by gradients.
+        optimizer: a ``torch.optim`` class name: "SGD" (default: no optimizer
+            state, so parameter differences are gradient differences) or
+            "AdamW" (verl's default; the GPU kit's realistic step).
         use_remove_padding: engine-level flag (verl's monkey patch); the
             per-batch ``use_remove_padding`` key should agree with it.
         use_dynamic_bsz, micro_batch_size_per_gpu, max_token_len_per_gpu,
@@ -482,7 +486,7 @@ def fsdp_engine_configs(
         seed=seed,
     )
     optimizer_config = FSDPOptimizerConfig(
-        optimizer="SGD",
+        optimizer=optimizer,
         optimizer_impl="torch.optim",
         lr=lr,
         clip_grad=clip_grad,
@@ -514,7 +518,9 @@ def build_fsdp_engine(model_path: str, *, device: str = "cpu", seed: int = 0, **
         if not dist.is_initialized():
             init_process_group_cpu()
     elif not dist.is_initialized():  # an accelerator: verl's own platform, one NCCL rank
-        init_process_group_cpu(backend="nccl")
+        # verl's workers init "cpu:gloo,cuda:nccl" (utils/distributed.py), so CPU-tensor collectives work too
+        init_process_group_cpu(backend=f"cpu:gloo,{device}:nccl")
+        getattr(torch, device).set_device(int(os.environ["LOCAL_RANK"]))  # as verl's init does
 
     from verl.workers.engine.base import EngineRegistry
 

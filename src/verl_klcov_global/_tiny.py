@@ -1,7 +1,8 @@
 """A tiny local Qwen2 model and trainer-shaped actor minibatches (no downloads).
 
 * :func:`build_tiny_model` -- random Qwen2 (~140k params) + a byte-level BPE
-  tokenizer trained locally, saved as an HF model directory.
+  tokenizer trained locally, saved as an HF model directory
+  (:func:`build_random_model`: the same for any Qwen2 config, e.g. the GPU kit's 0.5B shape).
 * :func:`make_minibatch` -- one actor-update minibatch shaped exactly as verl
   0.9.1 hands it to ``TrainingWorker.train_batch`` / ``engine.train_batch``,
   in the v1-trainer layout (every per-sample field nested/jagged) or the
@@ -57,6 +58,7 @@ __all__ = [
     "PAD_TOKEN",
     "EOS_TOKEN",
     "build_tiny_model",
+    "build_random_model",
     "make_minibatch",
     "compute_current_log_probs",
     "set_micro_batching",
@@ -134,6 +136,20 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
     Idempotent: returns immediately when ``path/config.json`` exists. Built in
     a sibling temp dir and renamed, so concurrent callers are safe.
     """
+    return build_random_model(path, TINY_MODEL_KWARGS, seed=seed)
+
+
+def build_random_model(
+    path: str, model_kwargs: dict[str, Any], *, seed: int = 0, dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> str:
+    """Write a random Qwen2 of config ``model_kwargs`` (``Qwen2Config`` fields) + the local tokenizer to ``path``.
+
+    Weights are initialised on ``device`` (a GPU makes a 0.5B model in seconds) after
+    ``torch.manual_seed(seed)`` and saved in ``dtype``; ``vocab_size`` must be at
+    least the tokenizer's 400 ids. Idempotent and safe for concurrent callers, like
+    :func:`build_tiny_model`.
+    """
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -143,13 +159,16 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
     tmp = tempfile.mkdtemp(prefix=".tiny_qwen2_", dir=parent)
     try:
         tokenizer = _build_tokenizer()
-        assert len(tokenizer) <= TINY_MODEL_KWARGS["vocab_size"]
+        if len(tokenizer) > model_kwargs["vocab_size"]:
+            raise ValueError(f"vocab_size {model_kwargs['vocab_size']} < the local tokenizer's {len(tokenizer)} ids")
         ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-        config = Qwen2Config(**TINY_MODEL_KWARGS, **ids)
+        config = Qwen2Config(**model_kwargs, **ids)
         config.architectures = ["Qwen2ForCausalLM"]
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
-        model.save_pretrained(tmp)
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config)
+        model.to(device="cpu", dtype=dtype).save_pretrained(tmp)
+        del model
         tokenizer.save_pretrained(tmp)
         GenerationConfig(**ids).save_pretrained(tmp)
         try:
@@ -188,13 +207,14 @@ def _grpo_advantages(gen: torch.Generator, bsz: int, resp_len: int, group_size: 
 
 def _padded_sample(
     *, batch_size: int, prompt_len: int, response_len: int, vary_lengths: bool, seed: int, vocab_size: int,
-    pad_token_id: int, group_size: int, advantage_noise: float,
+    pad_token_id: int, group_size: int, advantage_noise: float, min_response_len: Optional[int] = None,
 ) -> dict[str, torch.Tensor]:
     """Left-padded prompts (B, P), right-padded responses (B, R) and masks,
     position_ids (B, P+R), advantages (B, R); all from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     p_lens = _lengths(gen, batch_size, prompt_len, prompt_len // 2, vary_lengths)
-    r_lens = _lengths(gen, batch_size, response_len, response_len // 4, vary_lengths)
+    r_min = response_len // 4 if min_response_len is None else min_response_len
+    r_lens = _lengths(gen, batch_size, response_len, r_min, vary_lengths)
     prompts = torch.randint(len(_SPECIAL_TOKENS), vocab_size, (batch_size, prompt_len), generator=gen)
     responses = torch.randint(len(_SPECIAL_TOKENS), vocab_size, (batch_size, response_len), generator=gen)
     cols_p, cols_r = torch.arange(prompt_len), torch.arange(response_len)
@@ -293,6 +313,7 @@ def make_minibatch(
     max_token_len_per_gpu: int = 2048,
     calculate_entropy: bool = False,
     pad_token_id: int = 0,
+    min_response_len: Optional[int] = None,
 ) -> TensorDict:
     """One actor-update minibatch (B = ``batch_size`` rows) in verl's layout.
 
@@ -302,7 +323,8 @@ def make_minibatch(
     batch; zeros when None) + N(0, ``old_log_prob_noise``).
 
     Per-row sizes: prompt P_i <= ``prompt_len``, response R_i <=
-    ``response_len`` (all full unless ``vary_lengths``). ``layout``: "v1" or
+    ``response_len`` (all full unless ``vary_lengths``; then responses are drawn
+    from [``min_response_len``, ``response_len``], default minimum ``response_len // 4``). ``layout``: "v1" or
     "legacy" (see module docstring). ``global_batch_size`` defaults to B (the
     global minibatch; keep it when sharding). The micro-batching keys are
     those ``TrainingWorker.train_batch`` injects; change them with
@@ -315,7 +337,7 @@ def make_minibatch(
     t = _padded_sample(
         batch_size=batch_size, prompt_len=prompt_len, response_len=response_len, vary_lengths=vary_lengths,
         seed=seed, vocab_size=vocab_size, pad_token_id=pad_token_id, group_size=group_size,
-        advantage_noise=advantage_noise,
+        advantage_noise=advantage_noise, min_response_len=min_response_len,
     )
     t.update(
         _log_prob_fields(

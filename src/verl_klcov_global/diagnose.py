@@ -4,6 +4,8 @@ Runs :mod:`verl_klcov_global.experiment` for ``vanilla`` (the penalty-free
 control), ``kl_cov`` and ``kl_cov_global`` over a few blocks and reports, per
 mode, the tokens selected under each layout, whether the masks agree and the
 largest parameter difference between the layouts relative to the control.
+``DiagnoseOptions.loss_mode`` names another global mode of the plugin (compared
+with its verl counterpart, the name without ``_global``, when verl registers it).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class DiagnoseOptions:
     ppo_kl_coef: float = 1.0
     strategy: str = "fsdp"
     json_path: Optional[str] = None
+    loss_mode: str = "kl_cov_global"
 
 
 def validate(options: DiagnoseOptions) -> DiagnoseOptions:
@@ -65,6 +68,13 @@ def validate(options: DiagnoseOptions) -> DiagnoseOptions:
             raise DiagnoseError("--device cuda: no CUDA device is visible; use --device cpu")
     if options.dtype not in ("fp32", "bf16"):
         raise DiagnoseError(f"--dtype must be fp32 or bf16, got {options.dtype!r}")
+    from .experiment import registered_global_modes
+
+    if options.loss_mode not in registered_global_modes():
+        raise DiagnoseError(
+            f"loss_mode {options.loss_mode!r} is not a mode this plugin registered; choose one of "
+            f"{registered_global_modes()}"
+        )
     if options.strategy not in ("fsdp", "fsdp2"):
         raise DiagnoseError(f"--strategy must be fsdp or fsdp2, got {options.strategy!r}")
     if options.blocks < 1:
@@ -128,8 +138,8 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress) -> dict:
 
     from . import _tiny
     from .config import KLCovGlobalPolicyLossConfig
-    from .experiment import MODES, TRAIN_LAYOUT_MODE, EngineSpec, dynamic_layouts, frozen_minibatch, run_block
-    from .experiment import static_layouts
+    from .experiment import TRAIN_LAYOUT_MODE, EngineSpec, compared_modes, dynamic_layouts, frozen_minibatch
+    from .experiment import run_block, static_layouts
 
     options = validate(options)
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -156,7 +166,7 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress) -> dict:
                 loss_mode=mode, kl_cov_ratio=options.kl_cov_ratio, ppo_kl_coef=options.ppo_kl_coef
             )
 
-        modes = (*MODES, TRAIN_LAYOUT_MODE)
+        modes = compared_modes(options.loss_mode)
         updates = 2 * len(modes)
 
         blocks = []
@@ -204,17 +214,20 @@ def summarise(options: DiagnoseOptions, device: str, layout_names: list[str], bl
             "max_param_diff": diffs,
             "ratio_to_control": ratios,
         }
-    global_ = modes["kl_cov_global"]
+    from .experiment import upstream_mode
+
+    global_ = modes[options.loss_mode]
+    upstream = upstream_mode(options.loss_mode)
     invariant = bool(global_["masks_identical"]) and max(global_["ratio_to_control"]) <= INVARIANCE_FACTOR
-    kl_cov_worst = max(modes["kl_cov"]["ratio_to_control"]) if "kl_cov" in modes else None
+    kl_cov_worst = max(modes[upstream]["ratio_to_control"]) if upstream in modes else None
     verdict = (
-        f"kl_cov_global is {'INVARIANT' if invariant else 'NOT invariant'} to micro-batching: masks "
+        f"{options.loss_mode} is {'INVARIANT' if invariant else 'NOT invariant'} to micro-batching: masks "
         f"{'identical' if global_['masks_identical'] else 'DIFFER'} in all {len(blocks)} blocks, "
         f"max|dtheta| up to {max(global_['ratio_to_control']):.2f}x the control's noise floor "
         f"(limit {INVARIANCE_FACTOR:g}x)"
     )
     if kl_cov_worst is not None:
-        verdict += f"; kl_cov differs by up to {kl_cov_worst:.3g}x"
+        verdict += f"; {upstream} differs by up to {kl_cov_worst:.3g}x"
     return {
         "options": asdict(options),
         "device": device,

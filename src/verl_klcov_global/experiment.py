@@ -27,6 +27,33 @@ from .selection import kl_cov_quota
 MODES = ("vanilla", "kl_cov", "kl_cov_global")
 #: kl_cov_global with the prepass in the training micro-batch layout (verl PR #7830's choice).
 TRAIN_LAYOUT_MODE = "kl_cov_global[prepass=train]"
+GLOBAL_SUFFIX = "_global"
+
+
+def registered_global_modes() -> tuple[str, ...]:
+    """The loss modes this plugin registered in verl's policy-loss registry (e.g. ``kl_cov_global``), sorted."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    import verl_klcov_global  # noqa: F401  (registers the plugin's modes)
+
+    ours = (name for name, fn in POLICY_LOSS_REGISTRY.items()
+            if getattr(fn, "__module__", "").split(".")[0] == "verl_klcov_global")
+    return tuple(sorted(ours))
+
+
+def upstream_mode(global_mode: str) -> str:
+    """verl's per-micro-batch counterpart of a global mode: ``kl_cov_global`` -> ``kl_cov``."""
+    return global_mode.removesuffix(GLOBAL_SUFFIX)
+
+
+def compared_modes(global_mode: str) -> tuple[str, ...]:
+    """What diagnose runs for ``global_mode``: the control, verl's counterpart when registered, the mode
+    (and, for kl_cov_global, its prepass=train variant)."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    upstream = upstream_mode(global_mode)
+    modes = ("vanilla",) + ((upstream,) if upstream in POLICY_LOSS_REGISTRY else ()) + (global_mode,)
+    return modes + ((TRAIN_LAYOUT_MODE,) if global_mode == "kl_cov_global" else ())
 
 
 @dataclass(frozen=True)
