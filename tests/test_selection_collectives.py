@@ -11,6 +11,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.bench_exchange import CountingDist
 from verl_klcov_global._cpu import init_process_group_cpu, spawn
 from verl_klcov_global.selection import collectives
 from verl_klcov_global.selection.collectives import (
@@ -82,24 +83,6 @@ def test_bad_k_raises():
 # 2 gloo processes: the same marks as one process, with an exchange that does not grow with k
 
 
-class _CountingDist:
-    """Proxy of torch.distributed that records (collective, bytes this rank contributes)."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, int]] = []
-
-    def __getattr__(self, name):
-        return getattr(dist, name)
-
-    def all_reduce(self, tensor, *args, **kwargs):
-        self.calls.append(("all_reduce", tensor.numel() * tensor.element_size()))
-        return dist.all_reduce(tensor, *args, **kwargs)
-
-    def all_gather(self, outputs, tensor, *args, **kwargs):
-        self.calls.append(("all_gather", tensor.numel() * tensor.element_size()))
-        return dist.all_gather(outputs, tensor, *args, **kwargs)
-
-
 def _key_cases():
     """(name, keys, eligible, k, rows on rank 0) of the whole minibatch (rows, 16)."""
     gen = torch.Generator().manual_seed(0)
@@ -125,7 +108,7 @@ def _key_cases():
 
 def _run_key_cases(rank, world_size, port):
     init_process_group_cpu(rank, world_size, port)
-    counting = _CountingDist()
+    counting = CountingDist()
     collectives.dist = counting
     out = []
     try:
