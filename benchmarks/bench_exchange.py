@@ -105,7 +105,7 @@ def _worker(rank: int, world_size: int, port: int, cases: list[tuple[int, float]
 
         tune_malloc()
     torch.set_num_threads(1)
-    from verl_klcov_global._cpu import init_process_group_cpu
+    from verl_klcov_global.lab.cpu import init_process_group_cpu
     from verl_klcov_global.selection import collectives, select_kl_cov_tokens
 
     from . import legacy_selection
@@ -144,7 +144,7 @@ def _worker(rank: int, world_size: int, port: int, cases: list[tuple[int, float]
 
 def run(*, quick: bool, totals=None, ratios=None, rounds=None, tune_malloc: bool = True,
         progress=print) -> dict[str, Any]:
-    from verl_klcov_global._cpu import spawn
+    from verl_klcov_global.lab.cpu import spawn
 
     totals = totals or (QUICK_TOTALS if quick else TOTALS)
     ratios = ratios or (QUICK_RATIOS if quick else RATIOS)

@@ -41,7 +41,7 @@ def _metric(metrics: dict, name: str) -> Optional[float]:
 
 
 def _actor_config(mode: str, ratio: float):
-    from verl_klcov_global import _tiny
+    from verl_klcov_global.lab import tiny as _tiny
     from verl_klcov_global.config import KLCovGlobalPolicyLossConfig
 
     if mode == TRAIN_LAYOUT:
@@ -55,7 +55,7 @@ def run_case(model_dir: str, case: str, *, reps: int, warmup: int, ratio: float,
     """Time every mode on one engine; returns raw samples and summary figures."""
     from verl.workers.utils.losses import ppo_loss
 
-    from verl_klcov_global.experiment import EngineSpec, frozen_minibatch, static_layouts
+    from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch, static_layouts
 
     spec = EngineSpec(model_dir, strategy=strategy, use_remove_padding=CASES[case])
     started = time.perf_counter()
@@ -144,7 +144,7 @@ def summarise(case: str, samples: dict[str, list[float]], cpu_samples: dict[str,
 def run(*, quick: bool, cases=tuple(CASES), model_dir: Optional[str] = None, reps: Optional[int] = None,
         warmup: Optional[int] = None, ratio: float = 0.0002, strategy: str = "fsdp", modes=None,
         progress=print) -> dict[str, Any]:
-    from verl_klcov_global import _tiny
+    from verl_klcov_global.lab import tiny as _tiny
 
     modes = tuple(modes or (MODES if quick else MODES + (TRAIN_LAYOUT,)))
     reps = reps if reps is not None else (2 if quick else 7)

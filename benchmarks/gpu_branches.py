@@ -33,8 +33,9 @@ from .gpu_check import Phase
 
 
 def _tiny_engine(phase: Phase):
-    from verl_klcov_global import _cpu, _tiny
-    from verl_klcov_global.diagnose import quiet_verl
+    from verl_klcov_global.lab import cpu as _cpu
+    from verl_klcov_global.lab import tiny as _tiny
+    from verl_klcov_global.lab.diagnose import quiet_verl
 
     with quiet_verl():
         path = _tiny.build_tiny_model(os.path.join(phase.scratch, "tiny"))
@@ -184,7 +185,7 @@ def _check_prepass_equals_compute_log_prob(phase: Phase, engine, batch) -> torch
     cuda = phase.device == "cuda"
     same_shape = prepass.shape == verl_lp.shape
     diff = float((prepass.cpu() - verl_lp.cpu()).abs().max()) if same_shape else float("inf")
-    from verl_klcov_global._tiny import TINY_MODEL_KWARGS
+    from verl_klcov_global.lab.tiny import TINY_MODEL_KWARGS
 
     bound = summation_bound(TINY_MODEL_KWARGS["vocab_size"], verl_lp)
     ok = same_shape and (diff == 0.0 if not cuda else diff <= bound)
@@ -199,7 +200,8 @@ def _check_prepass_equals_compute_log_prob(phase: Phase, engine, batch) -> torch
 def _check_selection_over_group(phase: Phase, engine, batch, log_probs: torch.Tensor) -> None:
     from verl.workers.utils.losses import ppo_loss
 
-    from verl_klcov_global import _tiny, hook
+    from verl_klcov_global import hook
+    from verl_klcov_global.lab import tiny as _tiny
     from verl_klcov_global.selection import kl_cov_quota, select_kl_cov_tokens
 
     ratio = 0.02
@@ -233,8 +235,8 @@ def _check_selection_over_group(phase: Phase, engine, batch, log_probs: torch.Te
 
 
 def run(phase: Phase) -> None:
-    from verl_klcov_global.diagnose import quiet_verl
-    from verl_klcov_global.experiment import _release
+    from verl_klcov_global.lab.diagnose import quiet_verl
+    from verl_klcov_global.lab.experiment import _release
 
     engine, batch = _tiny_engine(phase)
     try:

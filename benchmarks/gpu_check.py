@@ -188,7 +188,7 @@ def phase_env(phase: Phase) -> None:
 
     import verl_klcov_global  # noqa: F401  (also loaded by VERL_USE_EXTERNAL_MODULES; idempotent)
     from verl_klcov_global import hook
-    from verl_klcov_global.experiment import registered_global_modes, upstream_mode
+    from verl_klcov_global.lab.experiment import registered_global_modes, upstream_mode
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
     import ray
@@ -231,8 +231,8 @@ def phase_env(phase: Phase) -> None:
 
 def phase_diagnose(phase: Phase) -> None:
     """diagnose (FSDP2) for every (dtype, global mode); fewer blocks when the budget is short."""
-    from verl_klcov_global.diagnose import DiagnoseOptions, run_diagnose
-    from verl_klcov_global.experiment import registered_global_modes
+    from verl_klcov_global.lab.diagnose import DiagnoseOptions, run_diagnose
+    from verl_klcov_global.lab.experiment import registered_global_modes
 
     sizes = phase.sizes
     runs = [(dtype, mode) for dtype in ("fp32", "bf16") for mode in registered_global_modes()]

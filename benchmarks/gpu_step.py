@@ -125,8 +125,8 @@ class Meter:
 
 
 def _build_model(phase: Phase) -> tuple[str, dict]:
-    from verl_klcov_global import _tiny
-    from verl_klcov_global.diagnose import quiet_verl
+    from verl_klcov_global.lab import tiny as _tiny
+    from verl_klcov_global.lab.diagnose import quiet_verl
 
     path = os.path.join(phase.scratch, f"step-{phase.sizes.step_model}")
     with quiet_verl():
@@ -162,7 +162,8 @@ def _observe_attention(phase: Phase, engine, vocab_size: int) -> dict:
     on a 2-sequence minibatch (same kernels as the big one: the same masks, dtypes and dispatch)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from verl_klcov_global import _tiny, hook
+    from verl_klcov_global import hook
+    from verl_klcov_global.lab import tiny as _tiny
 
     model = getattr(engine.module, "module", engine.module)
     config = getattr(model, "config", None)
@@ -222,8 +223,8 @@ class Figures:
 
 
 def _build_engine(phase: Phase, path: str):
-    from verl_klcov_global import _cpu
-    from verl_klcov_global.diagnose import quiet_verl
+    from verl_klcov_global.lab import cpu as _cpu
+    from verl_klcov_global.lab.diagnose import quiet_verl
 
     sizes = phase.sizes
     started = time.monotonic()
@@ -261,7 +262,8 @@ def _describe_minibatch(batch, sizes) -> dict:
 
 def _operations(engine, batch, sizes, modes: list[str], figures: Figures) -> dict[str, Callable[[], Any]]:
     """The measured operations by name: compute_log_prob, prepass, and one training step per mode."""
-    from verl_klcov_global import _tiny, hook
+    from verl_klcov_global import hook
+    from verl_klcov_global.lab import tiny as _tiny
     from verl_klcov_global.config import read_settings
 
     configs = {mode: _tiny.make_actor_config(loss_mode=mode, kl_cov_ratio=sizes.kl_cov_ratio, ppo_kl_coef=1.0,
@@ -302,7 +304,7 @@ def _run_rounds(phase: Phase, meter: Meter, operations: dict, modes: list[str], 
 
     Returns why rounds were left out, or None. Training steps run in an order rotated every round.
     """
-    from verl_klcov_global.diagnose import quiet_verl
+    from verl_klcov_global.lab.diagnose import quiet_verl
 
     rounds, done, round_seconds = phase.sizes.step_reps, 0, None
     for round_index in range(-1, rounds):  # -1: the warm-up round
@@ -334,9 +336,9 @@ def _run_rounds(phase: Phase, meter: Meter, operations: dict, modes: list[str], 
 
 
 def run(phase: Phase) -> None:
-    from verl_klcov_global import _tiny
-    from verl_klcov_global.diagnose import quiet_verl
-    from verl_klcov_global.experiment import _release, registered_global_modes, upstream_mode
+    from verl_klcov_global.lab import tiny as _tiny
+    from verl_klcov_global.lab.diagnose import quiet_verl
+    from verl_klcov_global.lab.experiment import _release, registered_global_modes, upstream_mode
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
     sizes, data, meter = phase.sizes, phase.data, Meter(phase.device)

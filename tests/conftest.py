@@ -12,6 +12,6 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """A random tiny Qwen2 + tokenizer built locally (no hub), shared by the engine tests."""
-    from verl_klcov_global._tiny import build_tiny_model
+    from verl_klcov_global.lab.tiny import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "model"))

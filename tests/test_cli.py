@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from verl_klcov_global import cli
-from verl_klcov_global.diagnose import DiagnoseOptions, summarise
+from verl_klcov_global.lab.diagnose import DiagnoseOptions, summarise
 
 SMALL = ["--blocks", "1", "--batch-size", "16", "--response-len", "32", "--micro-batches", "4"]
 
@@ -25,8 +25,9 @@ def test_short_real_run_reports_invariance_and_writes_json(tmp_path):
     out = tmp_path / "report.json"
     proc = run_cli("diagnose", *SMALL, "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "OK: kl_cov_global is INVARIANT" in proc.stdout
-    assert "[block 1/1] update 8/8: kl_cov_global[prepass=train] / 4 micro-batches" in proc.stderr  # progress
+    assert "OK: kl_cov_global is INVARIANT" in proc.stdout and "OK: clip_cov_global is INVARIANT" in proc.stdout
+    # 6 modes x 2 layouts + the two Clip-Cov modes run once more
+    assert "[block 1/1] update 14/14: kl_cov_global[prepass=train] / 4 micro-batches" in proc.stderr  # progress
     report = json.loads(out.read_text())
     assert report["modes"]["kl_cov_global[prepass=train]"]["selected_per_layout"] == [[1, 1]]
     assert report["invariant"] is True
@@ -34,6 +35,11 @@ def test_short_real_run_reports_invariance_and_writes_json(tmp_path):
     assert report["modes"]["kl_cov_global"]["selected_per_layout"] == [[1, 1]]
     assert report["modes"]["kl_cov"]["selected_per_layout"] == [[1, 4]]
     assert report["modes"]["kl_cov"]["ratio_to_control"][0] > 10
+    assert set(report["verdicts"]) == {"kl_cov_global", "clip_cov_global"}
+    clip_global = report["modes"]["clip_cov_global"]
+    assert clip_global["masks_identical"] is True and clip_global["ratio_to_control"][0] <= 10
+    assert clip_global["repeat_param_diff"] == [0.0]  # same seed, same tokens: the same update again
+    assert len(report["modes"]["clip_cov"]["repeat_param_diff"]) == 1
 
 
 @pytest.mark.parametrize("args, message", [
@@ -45,6 +51,8 @@ def test_short_real_run_reports_invariance_and_writes_json(tmp_path):
     (["--kl-cov-ratio", "0"], "kl_cov_ratio must be finite"),
     (["--blocks", "0"], "--blocks must be >= 1"),
     (["--json", "/nonexistent/dir/report.json"], "does not exist"),
+    (["--clip-cov-lb", "6"], "clip_cov_lb must be below clip_cov_ub"),
+    (["--clip-cov-ratio", "0"], "clip_cov_ratio must be finite"),
 ])
 def test_bad_options_fail_clearly_and_write_nothing(tmp_path, capfd, args, message):
     out = tmp_path / "report.json"
@@ -77,9 +85,27 @@ def test_verdict_fails_when_masks_differ_or_update_exceeds_the_noise_floor():
     assert summarise(options, "cpu", ["a", "b"], [_block(True, 1e-7)])["invariant"] is False
 
 
+def _clip_block(repeat_global):
+    return {
+        "vanilla": {"selected_per_layout": (0, 0), "masks_identical": None, "max_param_diff": 1e-9},
+        "clip_cov": {"selected_per_layout": (4, 4), "masks_identical": None, "max_param_diff": 1e-6,
+                     "repeat_param_diff": 1e-6},
+        "clip_cov_global": {"selected_per_layout": (4, 4), "masks_identical": True, "max_param_diff": 1e-9,
+                            "repeat_param_diff": repeat_global},
+    }
+
+
+def test_clip_cov_global_must_also_reproduce_its_update():
+    options = DiagnoseOptions(loss_mode="clip_cov_global")
+    assert summarise(options, "cpu", ["a", "b"], [_clip_block(0.0)])["invariant"] is True
+    failing = summarise(options, "cpu", ["a", "b"], [_clip_block(1e-7)])
+    assert failing["invariant"] is False and "clip_cov_global is NOT invariant" in failing["verdict"]
+    assert "run again with another RNG state" in failing["verdicts"]["clip_cov_global"]
+
+
 def test_exit_status_is_one_when_not_invariant(monkeypatch, capsys):
     failing = summarise(DiagnoseOptions(), "cpu", ["1 micro-batch", "8 micro-batches"], [_block(False, 1e-7)])
-    monkeypatch.setattr("verl_klcov_global.diagnose.run_diagnose", lambda options: failing)
+    monkeypatch.setattr("verl_klcov_global.lab.diagnose.run_diagnose", lambda options: failing)
     assert cli.main(["diagnose"]) == 1
     assert "FAIL: kl_cov_global is NOT invariant" in capsys.readouterr().out
 

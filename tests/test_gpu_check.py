@@ -51,7 +51,7 @@ def test_smoke_finishes_every_phase_and_passes_every_cpu_check(smoke):
 
 @pytest.mark.slow
 def test_smoke_runs_diagnose_for_every_registered_global_mode_in_both_dtypes(smoke):
-    from verl_klcov_global.experiment import registered_global_modes
+    from verl_klcov_global.lab.experiment import registered_global_modes
 
     report, _, _ = smoke
     diagnose = report["phases"]["diagnose"]

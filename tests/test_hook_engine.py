@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_klcov_global import _tiny
-from verl_klcov_global.experiment import (
+from verl_klcov_global.lab import tiny as _tiny
+from verl_klcov_global.lab.experiment import (
     EngineSpec, dynamic_layouts, frozen_minibatch, max_abs_diff, one_update, run_block, static_layouts,
 )
 
@@ -108,7 +108,7 @@ def test_bf16_masks_do_not_depend_on_training_micro_batches(tiny_model_path):
 
 def _dp_updates(rank, world_size, port, model_path, batch_file, layout):
     """One update per mode on this rank's contiguous shard of the saved minibatch."""
-    from verl_klcov_global._cpu import init_process_group_cpu
+    from verl_klcov_global.lab.cpu import init_process_group_cpu
 
     init_process_group_cpu(rank, world_size, port)
     batch = torch.load(batch_file, weights_only=False)
@@ -121,7 +121,7 @@ def _dp_updates(rank, world_size, port, model_path, batch_file, layout):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_dp_ranks_give_the_single_rank_mask_and_update(tiny_model_path, tmp_path, capsys):
-    from verl_klcov_global._cpu import spawn
+    from verl_klcov_global.lab.cpu import spawn
 
     spec = EngineSpec(tiny_model_path)
     _, layout = dynamic_layouts(BATCH, SEQ, 8)  # 8 sequences per micro-batch: 8 on 1 rank, 4 per rank on 2

@@ -19,9 +19,9 @@ import pytest
 import torch
 from verl.trainer.ppo import core_algos
 
-from verl_klcov_global import _tiny
+from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.config import ClipCovGlobalPolicyLossConfig
-from verl_klcov_global.experiment import (
+from verl_klcov_global.lab.experiment import (
     EngineSpec, MicroBatchLayout, dynamic_layouts, frozen_minibatch, max_abs_diff, one_update, static_layouts,
 )
 
@@ -171,7 +171,7 @@ def test_sampled_masks_do_not_depend_on_micro_batching_or_earlier_calls(tiny_mod
 
 
 def _dp_update(rank, world_size, port, model_path, batch_file, layout):
-    from verl_klcov_global._cpu import init_process_group_cpu
+    from verl_klcov_global.lab.cpu import init_process_group_cpu
 
     init_process_group_cpu(rank, world_size, port)
     batch = torch.load(batch_file, weights_only=False)
@@ -186,7 +186,7 @@ def _dp_update(rank, world_size, port, model_path, batch_file, layout):
 @pytest.mark.distributed
 def test_sampled_mask_on_two_dp_ranks_is_the_single_rank_mask(tiny_model_path, padded_batch, tmp_path, capsys):
     """2 gloo ranks vs 1 process, the sampled case (~60 s)."""
-    from verl_klcov_global._cpu import spawn
+    from verl_klcov_global.lab.cpu import spawn
 
     spec = EngineSpec(tiny_model_path)
     _, layout = dynamic_layouts(BATCH, SEQ, 8)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.utils import prepare_micro_batches
 
-from verl_klcov_global import _tiny
+from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.config import MASK_KEY
 from verl_klcov_global.hook import mask_in_layout_of, padded
 from verl_klcov_global.selection import select_kl_cov_tokens

@@ -26,9 +26,11 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import BaseEngine
 from verl.workers.utils.losses import ppo_loss
 
-from verl_klcov_global import _cpu, _tiny, hook, plugin
+from verl_klcov_global import hook, plugin
+from verl_klcov_global.lab import cpu as _cpu
+from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.config import MASK_KEY, KLCovGlobalPolicyLossConfig, is_kl_cov_global, read_settings
-from verl_klcov_global.experiment import EngineSpec, frozen_minibatch
+from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch
 
 ORIGINAL_ATTR = "__verl_klcov_global_original__"
 BATCH, PROMPT, RESPONSE = 16, 8, 32

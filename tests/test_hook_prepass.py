@@ -25,9 +25,11 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.utils.losses import ppo_loss
 
-from verl_klcov_global import _cpu, _tiny, hook
+from verl_klcov_global import hook
+from verl_klcov_global.lab import cpu as _cpu
+from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.config import KLCovGlobalSettings
-from verl_klcov_global.experiment import EngineSpec, frozen_minibatch
+from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch
 
 ROWS, PROMPT, RESPONSE = 13, 8, 32
 RATIO = 0.02

@@ -20,7 +20,8 @@ import pytest
 import torch
 from verl.utils import tensordict_utils as tu
 
-from verl_klcov_global import _tiny, hook
+from verl_klcov_global import hook
+from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.selection import select_kl_cov_tokens
 
 from .worker_support import PlainModelReference, build_training_worker, full_state_dict, padded_rows, row_indices

@@ -18,8 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verl_klcov_global import _cpu, _tiny
-from verl_klcov_global.experiment import MicroBatchLayout, frozen_minibatch, max_abs_diff, one_update
+from verl_klcov_global.lab import cpu as _cpu
+from verl_klcov_global.lab import tiny as _tiny
+from verl_klcov_global.lab.experiment import MicroBatchLayout, frozen_minibatch, max_abs_diff, one_update
 from verl_klcov_global.hook import fit_width, observe_selections
 
 from .ulysses_support import UlyssesEngineSpec, cpu_varlen_attention, varlen_attention_cpu

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from verl.utils import tensordict_utils as tu
 
-from verl_klcov_global import _tiny
+from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.config import ClipCovGlobalPolicyLossConfig, KLCovGlobalPolicyLossConfig
 from verl_klcov_global.modes import CLIP_COV, KL_COV, global_mode_of, padded, sequence_token_ids
 from verl_klcov_global.selection.keys import sequence_hashes

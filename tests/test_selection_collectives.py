@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.bench_exchange import CountingDist
-from verl_klcov_global._cpu import init_process_group_cpu, spawn
+from verl_klcov_global.lab.cpu import init_process_group_cpu, spawn
 from verl_klcov_global.selection import collectives
 from verl_klcov_global.selection.collectives import (
     RADIX_BINS,

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from verl_klcov_global.selection import collectives
-from verl_klcov_global._cpu import init_process_group_cpu, spawn
+from verl_klcov_global.lab.cpu import init_process_group_cpu, spawn
 from verl_klcov_global.selection import select_kl_cov_tokens
 from verl_klcov_global.selection.collectives import RADIX_BINS, RADIX_ROUNDS
 

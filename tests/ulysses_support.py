@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from verl_klcov_global import _cpu
-from verl_klcov_global.experiment import EngineSpec
+from verl_klcov_global.lab import cpu as _cpu
+from verl_klcov_global.lab.experiment import EngineSpec
 
 ATTN_IMPLEMENTATION = "verl_klcov_test_cpu_varlen"
 

@@ -2,7 +2,7 @@
 
 * :func:`build_training_worker` -- ``verl.workers.engine_workers.TrainingWorker`` built from a
   ``TrainingWorkerConfig`` whose model/engine/optimizer configs are the ones
-  ``verl_klcov_global._cpu.build_fsdp_engine`` builds (fp32, sdpa, plain SGD, constant LR), then
+  ``verl_klcov_global.lab.cpu.build_fsdp_engine`` builds (fp32, sdpa, plain SGD, constant LR), then
   ``reset()`` (= ``engine.initialize()``), exactly as ``ActorRolloutRefWorker.init_model`` does.
 * :class:`PlainModelReference` -- log-probs of response tokens computed by a plain transformers
   model loaded with the engine's current full state dict: no verl code on the path (no micro-batching,
@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from tensordict import TensorDict
 
-from verl_klcov_global import _cpu
+from verl_klcov_global.lab import cpu as _cpu
 
 
 

@@ -19,8 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the experiment of verl issue #7829: does the update depend on the micro-batch size?",
         description=(
             "One optimizer update per (mode, layout) on a frozen minibatch through verl's real FSDP engine: "
-            "1 micro-batch vs N, for vanilla (penalty-free control), kl_cov and kl_cov_global. Exit status 0 "
-            "when kl_cov_global's masks are identical and its parameter difference stays within 10x the control's."
+            "1 micro-batch vs N, for vanilla (penalty-free control), kl_cov and kl_cov_global, clip_cov and "
+            "clip_cov_global (Clip-Cov modes also run the same update twice). Exit status 0 when every global "
+            "mode's masks are identical and its parameter differences stay within 10x the control's."
         ),
     )
     diagnose.add_argument("--model", help="local HF checkpoint folder (default: an embedded tiny Qwen2 built locally)")
@@ -36,6 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose.add_argument("--response-len", type=int, default=128)
     diagnose.add_argument("--kl-cov-ratio", type=float, default=0.0002)
     diagnose.add_argument("--ppo-kl-coef", type=float, default=1.0)
+    diagnose.add_argument("--loss-mode", default="all", choices=["all", "kl_cov_global", "clip_cov_global"],
+                          help="which global modes to diagnose (default all)")
+    diagnose.add_argument("--clip-cov-ratio", type=float, default=0.002,
+                          help="Clip-Cov quota fraction (default 0.002; verl's default 0.0002)")
+    diagnose.add_argument("--clip-cov-lb", type=float, default=0.3,
+                          help="Clip-Cov window's lower bound (default 0.3, for the tiny model's small covariances; "
+                               "verl's default 1.0)")
+    diagnose.add_argument("--clip-cov-ub", type=float, default=5.0, help="Clip-Cov window's upper bound (default 5)")
+    diagnose.add_argument("--clip-cov-seed", type=int, default=0, help="clip_cov_global's sampling seed (default 0)")
     diagnose.add_argument("--strategy", default="fsdp", choices=["fsdp", "fsdp2"])
     diagnose.add_argument("--json", dest="json_path", help="also write the full report as JSON to this file")
     return parser
@@ -44,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "diagnose":
-        from .diagnose import DiagnoseError, DiagnoseOptions, format_report, run_diagnose
+        from .lab.diagnose import DiagnoseError, DiagnoseOptions, format_report, run_diagnose
 
         options = DiagnoseOptions(**{k: v for k, v in vars(args).items() if k != "command"})
         try:

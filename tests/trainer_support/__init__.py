@@ -4,7 +4,7 @@ verl 0.9.1 has no CPU platform and no CPU rollout; the trainer-level tests suppl
 
 * :mod:`.verl_cpu_plugin` -- named in ``VERL_USE_EXTERNAL_MODULES`` so that ``import verl`` runs
   :func:`.cpu.install` in every Ray process (driver, TaskRunner, workers, rollout servers).
-* :mod:`.cpu` -- the CPU platform of ``verl_klcov_global/_cpu.py`` (loaded from its file, so the
+* :mod:`.cpu` -- the CPU platform of ``verl_klcov_global/lab/cpu.py`` (loaded from its file, so the
   plugin package is NOT imported as a side effect), gloo process groups for verl's workers, the
   CPU rollout, the step recorder.
 * :mod:`.rollout`, :mod:`.rollout_server` -- a random-token rollout registered as ``cpu_random``.

@@ -5,14 +5,14 @@
 * v1 trainer: the per-sample (nested) ``TensorDict`` a worker reads back from TransferQueue.
 
 Both come from the same tokens, lengths, advantages and old log-probs
-(``verl_klcov_global._tiny``'s sample builders).
+(``verl_klcov_global.lab.tiny``'s sample builders).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from verl_klcov_global import _tiny
+from verl_klcov_global.lab import tiny as _tiny
 
 
 def _sample(batch_size: int, prompt_len: int, response_len: int, seed: int, group_size: int):

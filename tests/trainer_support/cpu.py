@@ -3,8 +3,8 @@
 Called from :mod:`.verl_cpu_plugin` on ``import verl`` in every Ray process.
 
 * The CPU platform, the "cpu" engine registration and the FSDP1 CPU patch come
-  from ``src/verl_klcov_global/_cpu.py``, loaded from its file under another
-  module name: importing ``verl_klcov_global._cpu`` would import the plugin
+  from ``src/verl_klcov_global/lab/cpu.py``, loaded from its file under another
+  module name: importing ``verl_klcov_global.lab.cpu`` would import the plugin
   package (its ``__init__`` registers the loss and installs the hook), and the
   end-to-end test must prove that the *entry point alone* loads the plugin.
 * PATCH ``gloo-process-group`` (verl 0.9.1 ``utils/distributed.py``
@@ -28,13 +28,13 @@ _PATCHED = "__trainer_support_gloo__"
 
 
 def cpu_harness() -> ModuleType:
-    """``verl_klcov_global/_cpu.py`` as a standalone module; the package itself is not imported."""
+    """``verl_klcov_global/lab/cpu.py`` as a standalone module; the package itself is not imported."""
     if _HARNESS_MODULE in sys.modules:
         return sys.modules[_HARNESS_MODULE]
     package = importlib.util.find_spec("verl_klcov_global")  # locates the package without importing it
     if package is None or not package.submodule_search_locations:
         raise ImportError("verl_klcov_global is not installed: run scripts/setup.sh")
-    path = os.path.join(list(package.submodule_search_locations)[0], "_cpu.py")
+    path = os.path.join(list(package.submodule_search_locations)[0], "lab", "cpu.py")
     spec = importlib.util.spec_from_file_location(_HARNESS_MODULE, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[_HARNESS_MODULE] = module

@@ -1,11 +1,19 @@
 """``verl-klcov-global diagnose``: the experiment of verl issue #7829 on the user's setup.
 
-Runs :mod:`verl_klcov_global.experiment` for ``vanilla`` (the penalty-free
-control), ``kl_cov`` and ``kl_cov_global`` over a few blocks and reports, per
-mode, the tokens selected under each layout, whether the masks agree and the
-largest parameter difference between the layouts relative to the control.
-``DiagnoseOptions.loss_mode`` names another global mode of the plugin (compared
-with its verl counterpart, the name without ``_global``, when verl registers it).
+Runs :mod:`verl_klcov_global.lab.experiment` over a few blocks for ``vanilla`` (the
+penalty-free control) and, for every global mode of the plugin (``loss_mode="all"``, the
+default) or one of them, the mode and its verl counterpart (the name without ``_global``):
+``kl_cov`` / ``kl_cov_global`` (and ``kl_cov_global[prepass=train]``), ``clip_cov`` /
+``clip_cov_global``. It reports, per mode, the tokens selected under each layout, whether the
+masks agree and the largest parameter difference between the layouts relative to the control.
+Clip-Cov modes run the second layout twice, the second time with torch's generators in another
+state (as a later step of a run finds them): upstream ``clip_cov`` draws with an unseeded
+``torch.randperm``, so the two updates differ; ``clip_cov_global`` must not.
+The report is invariant only when every global mode it ran is.
+
+The Clip-Cov window defaults to ``clip_cov_lb=0.3, clip_cov_ub=5, clip_cov_ratio=0.002``, not
+verl's 1 / 5 / 0.0002: on the embedded tiny model's random minibatches almost no covariance
+exceeds 1, so verl's window would leave nothing to select and the comparison would prove nothing.
 """
 
 from __future__ import annotations
@@ -46,13 +54,17 @@ class DiagnoseOptions:
     ppo_kl_coef: float = 1.0
     strategy: str = "fsdp"
     json_path: Optional[str] = None
-    loss_mode: str = "kl_cov_global"
+    loss_mode: str = "all"
+    clip_cov_ratio: float = 0.002
+    clip_cov_lb: float = 0.3
+    clip_cov_ub: float = 5.0
+    clip_cov_seed: int = 0
 
 
 def validate(options: DiagnoseOptions) -> DiagnoseOptions:
     """Check every option up front; raise :class:`DiagnoseError` saying what to change."""
-    from .config import validate_ppo_kl_coef
-    from .selection import validate_kl_cov_ratio
+    from ..config import validate_ppo_kl_coef
+    from ..selection import validate_kl_cov_ratio
 
     if options.model is not None:
         if not os.path.isdir(options.model):
@@ -70,11 +82,15 @@ def validate(options: DiagnoseOptions) -> DiagnoseOptions:
         raise DiagnoseError(f"--dtype must be fp32 or bf16, got {options.dtype!r}")
     from .experiment import registered_global_modes
 
-    if options.loss_mode not in registered_global_modes():
+    if options.loss_mode != "all" and options.loss_mode not in registered_global_modes():
         raise DiagnoseError(
-            f"loss_mode {options.loss_mode!r} is not a mode this plugin registered; choose one of "
+            f"--loss-mode {options.loss_mode!r} is not a mode this plugin registered; choose all or one of "
             f"{registered_global_modes()}"
         )
+    try:
+        _clip_cov_policy_loss(options, "clip_cov_global")  # validates the Clip-Cov knobs
+    except ValueError as error:
+        raise DiagnoseError(str(error)) from None
     if options.strategy not in ("fsdp", "fsdp2"):
         raise DiagnoseError(f"--strategy must be fsdp or fsdp2, got {options.strategy!r}")
     if options.blocks < 1:
@@ -132,12 +148,32 @@ def _progress(message: str) -> None:
     print(message, file=sys.__stderr__, flush=True)
 
 
+def global_modes_of(options: DiagnoseOptions) -> tuple[str, ...]:
+    """The global modes this run diagnoses."""
+    from .experiment import registered_global_modes
+
+    return registered_global_modes() if options.loss_mode == "all" else (options.loss_mode,)
+
+
+def _clip_cov_policy_loss(options: DiagnoseOptions, mode: str):
+    """verl's PolicyLossConfig (``clip_cov``) or the plugin's config class (``clip_cov_global``) with the knobs."""
+    from verl.workers.config import PolicyLossConfig
+
+    from ..config import ClipCovGlobalPolicyLossConfig
+
+    knobs = dict(clip_cov_ratio=options.clip_cov_ratio, clip_cov_lb=options.clip_cov_lb,
+                 clip_cov_ub=options.clip_cov_ub)
+    if mode == "clip_cov_global":
+        return ClipCovGlobalPolicyLossConfig(loss_mode=mode, clip_cov_seed=options.clip_cov_seed, **knobs)
+    return PolicyLossConfig(loss_mode=mode, **knobs)
+
+
 def run_diagnose(options: DiagnoseOptions, progress=_progress) -> dict:
     """Run the experiment; return the report (also written to ``options.json_path`` when set)."""
     import torch
 
-    from . import _tiny
-    from .config import KLCovGlobalPolicyLossConfig
+    from . import tiny as _tiny
+    from ..config import KLCovGlobalPolicyLossConfig
     from .experiment import TRAIN_LAYOUT_MODE, EngineSpec, compared_modes, dynamic_layouts, frozen_minibatch
     from .experiment import run_block, static_layouts
 
@@ -162,12 +198,15 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress) -> dict:
                     kl_cov_ratio=options.kl_cov_ratio, ppo_kl_coef=options.ppo_kl_coef, prepass_layout="train"
                 )
                 return _tiny.make_actor_config(policy_loss=policy_loss)
+            if mode.startswith("clip_cov"):
+                return _tiny.make_actor_config(policy_loss=_clip_cov_policy_loss(options, mode))
             return _tiny.make_actor_config(
                 loss_mode=mode, kl_cov_ratio=options.kl_cov_ratio, ppo_kl_coef=options.ppo_kl_coef
             )
 
-        modes = compared_modes(options.loss_mode)
-        updates = 2 * len(modes)
+        modes = tuple(dict.fromkeys(m for g in global_modes_of(options) for m in compared_modes(g)))
+        repeat_modes = tuple(m for m in modes if m.startswith("clip_cov"))
+        updates = 2 * len(modes) + len(repeat_modes)
 
         blocks = []
         for block in range(options.blocks):
@@ -186,7 +225,8 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress) -> dict:
                 progress(f"{prefix} update {step['n']}/{updates}: {message}")
 
             with quiet_verl():
-                results = run_block(spec, batch, layouts, actor_config_for, modes=modes, progress=report_step)
+                results = run_block(spec, batch, layouts, actor_config_for, modes=modes, repeat_modes=repeat_modes,
+                                    progress=report_step)
             blocks.append({mode: asdict(result) for mode, result in results.items()})
     report = summarise(options, device, [layout.name for layout in layouts], blocks)
     report["seconds"] = round(time.perf_counter() - started, 1)
@@ -200,42 +240,70 @@ def _vocab_size(model_path: str) -> int:
         return int(json.load(handle)["vocab_size"])
 
 
+def _ratios(diffs: list, controls: list) -> list:
+    return [d / c if c > 0 else (0.0 if d == 0 else math.inf) for d, c in zip(diffs, controls)]
+
+
 def summarise(options: DiagnoseOptions, device: str, layout_names: list[str], blocks: list[dict]) -> dict:
-    """Per-mode figures over blocks, ratios to the control and the verdict."""
+    """Per-mode figures over blocks, ratios to the control, and one verdict per global mode.
+
+    A global mode is invariant when its masks are identical in every block and its parameter
+    difference between the layouts stays within ``INVARIANCE_FACTOR`` times the control's; a
+    mode that was run twice (Clip-Cov) must also repeat itself within that factor. The report is
+    invariant when every global mode is.
+    """
+    from .experiment import upstream_mode
+
+    controls = [block["vanilla"]["max_param_diff"] for block in blocks]
     modes = {}
     for mode in blocks[0]:
         diffs = [block[mode]["max_param_diff"] for block in blocks]
-        controls = [block["vanilla"]["max_param_diff"] for block in blocks]
-        ratios = [d / c if c > 0 else (0.0 if d == 0 else math.inf) for d, c in zip(diffs, controls)]
         masks = [block[mode]["masks_identical"] for block in blocks]
         modes[mode] = {
             "selected_per_layout": [block[mode]["selected_per_layout"] for block in blocks],
             "masks_identical": None if all(m is None for m in masks) else all(bool(m) for m in masks),
             "max_param_diff": diffs,
-            "ratio_to_control": ratios,
+            "ratio_to_control": _ratios(diffs, controls),
         }
-    from .experiment import upstream_mode
+        repeats = [block[mode].get("repeat_param_diff") for block in blocks]
+        if all(r is not None for r in repeats):
+            modes[mode]["repeat_param_diff"] = repeats
+            modes[mode]["repeat_ratio_to_control"] = _ratios(repeats, controls)
 
-    global_ = modes[options.loss_mode]
-    upstream = upstream_mode(options.loss_mode)
-    invariant = bool(global_["masks_identical"]) and max(global_["ratio_to_control"]) <= INVARIANCE_FACTOR
-    kl_cov_worst = max(modes[upstream]["ratio_to_control"]) if upstream in modes else None
-    verdict = (
-        f"{options.loss_mode} is {'INVARIANT' if invariant else 'NOT invariant'} to micro-batching: masks "
-        f"{'identical' if global_['masks_identical'] else 'DIFFER'} in all {len(blocks)} blocks, "
-        f"max|dtheta| up to {max(global_['ratio_to_control']):.2f}x the control's noise floor "
-        f"(limit {INVARIANCE_FACTOR:g}x)"
-    )
-    if kl_cov_worst is not None:
-        verdict += f"; {upstream} differs by up to {kl_cov_worst:.3g}x"
+    verdicts, invariant = {}, True
+    for mode in (m for m in global_modes_of(options) if m in modes):
+        figures = modes[mode]
+        worst = max(figures["ratio_to_control"])
+        repeat_worst = max(figures.get("repeat_ratio_to_control", [0.0]))
+        ok = bool(figures["masks_identical"]) and worst <= INVARIANCE_FACTOR and repeat_worst <= INVARIANCE_FACTOR
+        invariant = invariant and ok
+        text = (
+            f"{mode} is {'INVARIANT' if ok else 'NOT invariant'} to micro-batching: masks "
+            f"{'identical' if figures['masks_identical'] else 'DIFFER'} in all {len(blocks)} blocks, "
+            f"max|dtheta| up to {worst:.2f}x the control's noise floor (limit {INVARIANCE_FACTOR:g}x)"
+        )
+        if "repeat_ratio_to_control" in figures:
+            text += f", run again with another RNG state within {repeat_worst:.2f}x"
+        upstream = upstream_mode(mode)
+        if upstream in modes:
+            text += f"; {upstream} differs by up to {max(modes[upstream]['ratio_to_control']):.3g}x"
+            if "repeat_ratio_to_control" in modes[upstream]:
+                text += (f" between layouts and by up to {max(modes[upstream]['repeat_ratio_to_control']):.3g}x "
+                         "run again with another RNG state")
+        verdicts[mode] = text
     return {
         "options": asdict(options),
         "device": device,
         "layouts": layout_names,
         "modes": modes,
+        "verdicts": verdicts,
         "invariant": invariant,
-        "verdict": verdict,
+        "verdict": "; ".join(verdicts.values()),
     }
+
+
+def _ratio_text(ratio: float) -> str:
+    return f"{ratio:.2f}" if ratio < 10 else f"{ratio:.0f}"
 
 
 def format_report(report: dict) -> str:
@@ -247,18 +315,25 @@ def format_report(report: dict) -> str:
         f"{options['dtype']} | {options['strategy']} | {options['layout']} micro-batches",
         f"minibatch: {options['batch_size']} x ({options['prompt_len']} prompt + {options['response_len']} response) "
         f"tokens | kl_cov_ratio {options['kl_cov_ratio']} | ppo_kl_coef {options['ppo_kl_coef']} | "
-        f"{len(report['modes']['vanilla']['max_param_diff'])} blocks | {report.get('seconds', '?')} s",
+        f"clip_cov ratio {options['clip_cov_ratio']}, window ({options['clip_cov_lb']}, {options['clip_cov_ub']}), "
+        f"seed {options['clip_cov_seed']} | {len(report['modes']['vanilla']['max_param_diff'])} blocks | "
+        f"{report.get('seconds', '?')} s",
         "",
         f"{'mode':<29} {'tokens selected (' + first + ' | ' + second + ')':<44} {'masks':<10} "
-        f"{'max|dtheta| between layouts':<30} ratio to control",
+        f"{'max|dtheta| between layouts':<30} {'ratio to control':<22} again, other RNG state / control",
     ]
     for mode, figures in report["modes"].items():
         selected = ", ".join(f"{a} | {b}" for a, b in figures["selected_per_layout"])
         masks = {None: "-", True: "identical", False: "DIFFER"}[figures["masks_identical"]]
         diffs = ", ".join(f"{d:.1e}" for d in figures["max_param_diff"])
-        ratios = ", ".join(f"{r:.2f}" if r < 10 else f"{r:.0f}" for r in figures["ratio_to_control"])
-        lines.append(f"{mode:<29} {selected:<44} {masks:<10} {diffs:<30} {ratios}")
-    lines += ["", ("OK: " if report["invariant"] else "FAIL: ") + report["verdict"]]
+        ratios = ", ".join(_ratio_text(r) for r in figures["ratio_to_control"])
+        repeats = ", ".join(_ratio_text(r) for r in figures.get("repeat_ratio_to_control", [])) or "-"
+        lines.append(f"{mode:<29} {selected:<44} {masks:<10} {diffs:<30} {ratios:<22} {repeats}")
+    lines.append("")
+    for mode, verdict in report["verdicts"].items():
+        ok = verdict.startswith(f"{mode} is INVARIANT")
+        lines.append(("OK: " if ok else "FAIL: ") + verdict)
+    lines.append("verdict: " + ("every global mode is invariant" if report["invariant"] else "NOT invariant"))
     return "\n".join(lines)
 
 

@@ -60,7 +60,7 @@ class _CPUDeviceModule:
     ``Stream``, ``Event``, ``device_count``, ...) is looked up on ``torch.cpu``.
     """
 
-    __name__ = "verl_klcov_global._cpu.device_module"
+    __name__ = "verl_klcov_global.lab.cpu.device_module"
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cpu, name)

@@ -20,9 +20,10 @@ from typing import Any, Callable, Optional
 import torch
 from tensordict import TensorDict
 
-from . import _cpu, _tiny
-from .hook import PrepassResult, largest_divisor_at_most, observe_selections
-from .selection import kl_cov_quota
+from . import cpu as _cpu
+from . import tiny as _tiny
+from ..hook import PrepassResult, largest_divisor_at_most, observe_selections
+from ..selection import kl_cov_quota
 
 MODES = ("vanilla", "kl_cov", "kl_cov_global")
 #: kl_cov_global with the prepass in the training micro-batch layout (verl PR #7830's choice).
@@ -139,20 +140,32 @@ class UpdateOutcome:
 
 
 def _counting_ppo_loss(counter: list, config, model_output, data, dp_group=None):
-    """verl's ppo_loss, counting the tokens kl_cov selects in each micro-batch (its quota)."""
+    """verl's ppo_loss, counting the tokens kl_cov (its quota) or clip_cov (its clipped tokens) selects
+    in each micro-batch."""
     from verl.workers.utils.losses import ppo_loss
 
-    if config.policy_loss.loss_mode == "kl_cov":
+    loss_mode = config.policy_loss.loss_mode
+    if loss_mode == "kl_cov":
         counter.append(kl_cov_quota(int(data["response_mask"].sum()), config.policy_loss.kl_cov_ratio))
-    return ppo_loss(config, model_output, data, dp_group)
+    loss, metrics = ppo_loss(config, model_output, data, dp_group)
+    if loss_mode == "clip_cov":  # pg_clipfrac = masked mean of the zeroed-gradient indicator
+        clipfrac = metrics["actor/pg_clipfrac"]
+        clipfrac = clipfrac.values[0] if hasattr(clipfrac, "values") else clipfrac
+        counter.append(round(float(clipfrac) * int(data["response_mask"].sum())))
+    return loss, metrics
 
 
-def one_update(engine_spec: EngineSpec, batch: TensorDict, actor_config, layout: MicroBatchLayout) -> UpdateOutcome:
+def one_update(engine_spec: EngineSpec, batch: TensorDict, actor_config, layout: MicroBatchLayout,
+               reseed: Optional[int] = None) -> UpdateOutcome:
     """Build a fresh engine, run one ``train_batch`` of ``batch`` with ``layout``, return the outcome.
 
-    Collective when world size > 1 (every rank calls it with its shard).
+    ``reseed``: reseed torch's global generators after building the engine (which seeds them), as a
+    later step of a real run would find them in another state. Collective when world size > 1
+    (every rank calls it with its shard).
     """
     engine = engine_spec.build()
+    if reseed is not None:
+        torch.manual_seed(reseed)
     td = layout.apply(batch.copy())
     quotas: list[int] = []
     selections: list[PrepassResult] = []
@@ -213,19 +226,29 @@ class ModeResult:
     selected_per_layout: tuple[int, int]
     masks_identical: Optional[bool]
     max_param_diff: float
+    #: max|dtheta| between two runs of the same layout (the second), for modes run twice; else None
+    repeat_param_diff: Optional[float] = None
 
 
 def run_block(engine_spec: EngineSpec, batch: TensorDict, layouts: tuple[MicroBatchLayout, MicroBatchLayout],
-              actor_config_for: Callable[[str], Any], modes=MODES,
+              actor_config_for: Callable[[str], Any], modes=MODES, repeat_modes=(),
               progress: Callable[[str], None] = lambda message: None) -> dict[str, ModeResult]:
-    """Run every mode under both layouts on the same frozen ``batch``."""
+    """Run every mode under both layouts on the same frozen ``batch``.
+
+    Modes in ``repeat_modes`` run the second layout once more with torch's generators in another
+    state, to show whether the same update is reproduced (upstream clip_cov's unseeded
+    ``torch.randperm`` draws other tokens).
+    """
     results = {}
     for mode in modes:
         outcomes = []
-        for layout in layouts:
-            progress(f"{mode} / {layout.name}")
-            outcomes.append(one_update(engine_spec, batch, actor_config_for(mode), layout))
-        first, second = outcomes
+        runs = list(layouts) + ([layouts[1]] if mode in repeat_modes else [])
+        for index, layout in enumerate(runs):
+            progress(f"{mode} / {layout.name}" + (" (again)" if index == 2 else ""))
+            reseed = 1_000_003 if index == 2 else None
+            outcomes.append(one_update(engine_spec, batch, actor_config_for(mode), layout, reseed=reseed))
+        first, second = outcomes[:2]
+        repeat_param_diff = max_abs_diff(second.params, outcomes[2].params) if len(outcomes) == 3 else None
         masks_identical = None
         if first.masks and second.masks:
             masks_identical = all(torch.equal(x, y) for x, y in zip(first.masks, second.masks, strict=True))
@@ -234,5 +257,6 @@ def run_block(engine_spec: EngineSpec, batch: TensorDict, layouts: tuple[MicroBa
             selected_per_layout=(first.selected_tokens, second.selected_tokens),
             masks_identical=masks_identical,
             max_param_diff=max_abs_diff(first.params, second.params),
+            repeat_param_diff=repeat_param_diff,
         )
     return results
