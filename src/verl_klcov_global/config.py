@@ -51,6 +51,8 @@ METRIC_PREFIX = "actor/kl_cov/"
 #: Prefix of every metric clip_cov_global adds to verl's metrics dict.
 CLIP_COV_METRIC_PREFIX = "actor/clip_cov/"
 PREPASS_LAYOUTS = ("infer", "train")
+#: Actor strategies whose engine (verl's ``FSDPEngineWithLMHead``) the prepass hook covers.
+SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
 DEFAULT_CLIP_COV_SEED = 0
 
 # Upstream kl_cov's fallbacks when a field is None (verl 0.9.1 core_algos.py ~1884).

@@ -53,6 +53,12 @@ them. So:
 * ``optimizer_offload=True`` with ``train``: no copies; each prepass forward is a training
   micro-batch's forward without autograd and gradients, so it stays below the training step.
 
+PATCH ``validate_config_driver_checks`` (driver only, :func:`install_driver_checks`): wraps
+``verl.utils.config.validate_config`` (verl 0.8.0 / 0.9.1 ``utils/config.py``; signature
+``(config, use_reference_policy, use_critic)``), which ``main_ppo`` calls before ``ray.init``, so
+that :mod:`verl_klcov_global.driver` checks the plugin's knobs on the raw config and adds the
+worker loader to the Ray runtime environment before any Ray process starts.
+
 PATCH ``prepass_batched_logsumexp`` (prepass only, inside :func:`compute_prepass_log_probs`):
 swaps ``verl.utils.torch_functional.logprobs_from_logits_v2`` (verl 0.9.1 ~173: the path
 ``logprobs_from_logits`` takes without flash-attn's cross-entropy kernel or with
@@ -89,6 +95,7 @@ import contextlib
 import functools
 import inspect
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -101,12 +108,12 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.base import BaseEngine
 from verl.workers.utils.padding import no_padding_2_padding
 
-from .config import MASK_KEY
+from . import driver
+from .config import MASK_KEY, SUPPORTED_STRATEGIES
 from .loss import provide_selection_mask
 from .modes import KL_COV, GlobalLossMode, Selection, fit_width, global_mode_of, padded  # noqa: F401 (re-exported)
 
 TARGET_VERL_VERSION = "0.9.1"
-SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
 #: ``torch.profiler.record_function`` names of the prepass forward and of the selection.
 PREPASS_RECORD_NAME = "verl_klcov_global.prepass"
 SELECTION_RECORD_NAME = "verl_klcov_global.selection"
@@ -161,6 +168,56 @@ def install_hook() -> None:
 
     setattr(train_batch, _ORIGINAL_ATTR, current)
     BaseEngine.train_batch = train_batch
+
+
+#: Parameters of ``verl.utils.config.validate_config`` (verl 0.8.0 and 0.9.1 ``utils/config.py``).
+VALIDATE_CONFIG_PARAMETERS = ["config", "use_reference_policy", "use_critic"]
+
+
+def install_driver_checks() -> None:
+    """Install PATCH ``validate_config_driver_checks`` (idempotent). Raises if verl's target moved.
+
+    Wraps ``verl.utils.config.validate_config(config, use_reference_policy, use_critic)``, which
+    verl's ``main_ppo`` (and ``main_ppo_v0``) calls in the driver before ``ray.init``:
+    :func:`verl_klcov_global.driver.prepare_trainer_config` runs first (knob checks on the raw
+    config, worker loading through the Ray runtime env), then verl's own checks. The plugin is
+    imported on ``import verl``, before ``main_ppo`` runs ``from verl.utils.config import
+    validate_config``, so ``main_ppo`` gets the wrapper; a ``verl.trainer.main_ppo`` module imported
+    earlier is updated too.
+    """
+    import verl.utils.config as verl_config
+
+    current = verl_config.validate_config
+    if getattr(current, _ORIGINAL_ATTR, None) is not None:
+        return
+    params = list(inspect.signature(current).parameters)
+    if params != VALIDATE_CONFIG_PARAMETERS:
+        raise RuntimeError(
+            f"verl_klcov_global: verl.utils.config.validate_config{tuple(VALIDATE_CONFIG_PARAMETERS)} was expected "
+            f"(verl 0.8.0, 0.9.1), found parameters {params}: the plugin's driver checks cannot hook in. "
+            "Use verl 0.8.x or 0.9.x, or update the plugin."
+        )
+
+    @functools.wraps(current)
+    def validate_config(config, *args, **kwargs):
+        driver.prepare_trainer_config(config)
+        return current(config, *args, **kwargs)
+
+    setattr(validate_config, _ORIGINAL_ATTR, current)
+    verl_config.validate_config = validate_config
+    for name in ("verl.trainer.main_ppo", "verl.trainer.main_ppo_v0", "__main__"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "validate_config", None) is current:
+            module.validate_config = validate_config
+
+
+def uninstall_driver_checks() -> None:
+    """Restore verl's own ``validate_config`` (for tests)."""
+    import verl.utils.config as verl_config
+
+    original = getattr(verl_config.validate_config, _ORIGINAL_ATTR, None)
+    if original is not None:
+        verl_config.validate_config = original
 
 
 @contextlib.contextmanager

@@ -14,11 +14,16 @@ from .loss import compute_policy_loss_clip_cov_global, compute_policy_loss_kl_co
 
 
 def install() -> None:
-    """Register ``kl_cov_global`` and ``clip_cov_global`` in verl's policy-loss registry, install the hook (idempotent)."""
+    """Register ``kl_cov_global`` and ``clip_cov_global`` in verl's policy-loss registry, install the hooks (idempotent).
+
+    The hooks: PATCH ``train_batch_prepass`` (every process that trains) and PATCH
+    ``validate_config_driver_checks`` (used by the driver: knob checks and worker loading before Ray starts).
+    """
     POLICY_LOSS_REGISTRY[LOSS_MODE] = compute_policy_loss_kl_cov_global
     POLICY_LOSS_REGISTRY[CLIP_COV_LOSS_MODE] = compute_policy_loss_clip_cov_global
     try:
         hook.install_hook()
+        hook.install_driver_checks()
     except Exception as error:
         # verl logs entry-point failures at DEBUG only: keep the cause for the loss's error message.
         loss.record_hook_install_error(error)

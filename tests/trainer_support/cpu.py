@@ -23,6 +23,8 @@ import os
 import sys
 from types import ModuleType
 
+from .env import REPO_ROOT
+
 _HARNESS_MODULE = "_verl_klcov_global_cpu_harness"
 _PATCHED = "__trainer_support_gloo__"
 
@@ -31,10 +33,9 @@ def cpu_harness() -> ModuleType:
     """``verl_klcov_global/lab/cpu.py`` as a standalone module; the package itself is not imported."""
     if _HARNESS_MODULE in sys.modules:
         return sys.modules[_HARNESS_MODULE]
-    package = importlib.util.find_spec("verl_klcov_global")  # locates the package without importing it
-    if package is None or not package.submodule_search_locations:
-        raise ImportError("verl_klcov_global is not installed: run scripts/setup.sh")
-    path = os.path.join(list(package.submodule_search_locations)[0], "lab", "cpu.py")
+    # This repository's copy: the CPU support must not depend on which ``verl_klcov_global`` a Ray
+    # process can import (tests/test_driver_loading.py shadows it with a broken one).
+    path = os.path.join(REPO_ROOT, "src", "verl_klcov_global", "lab", "cpu.py")
     spec = importlib.util.spec_from_file_location(_HARNESS_MODULE, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[_HARNESS_MODULE] = module

@@ -1,0 +1,25 @@
+"""Loads verl-klcov-global in a Ray process, or stops that process with what to do.
+
+Ray ships this directory to every process of a run whose driver config selects one of the plugin's
+loss modes (``runtime_env.py_modules``), and verl imports it on ``import verl``
+(``VERL_USE_EXTERNAL_MODULES``). It must not import anything of the plugin at module level
+besides the one guarded import below: it exists precisely for processes that may lack the plugin.
+"""
+
+import os
+import socket
+import sys
+
+_REQUIRED_BY = os.environ.get("VERL_KLCOV_GLOBAL_REQUIRED_BY", "a verl-klcov-global loss mode")
+
+try:
+    import verl_klcov_global.plugin  # noqa: F401  (registers the loss modes, installs the hook)
+except Exception as error:
+    raise ImportError(
+        f"verl-klcov-global: {_REQUIRED_BY} needs the plugin in every Ray process, but this process "
+        f"(host {socket.gethostname()}, python {sys.executable}) cannot import it: "
+        f"{type(error).__name__}: {error}. "
+        "Install it into the Python environment the Ray workers run (`pip install verl-klcov-global`, the "
+        "driver's version), or point runtime_env.py_executable at an interpreter that has it. "
+        "docs/LOADING.md (verl-klcov-global) lists every way to load it."
+    ) from error
