@@ -6,9 +6,11 @@ loaded in every Ray process through ``VERL_USE_EXTERNAL_MODULES``: the CPU platf
 random-token rollout (``rollout.name=cpu_random``) and a recorder of optimizer steps. Fake Ray GPUs
 give 2 data-parallel actor ranks.
 
-The plugin is loaded **only through its entry point**: nothing in the command line or the
+The driver loads the plugin **only through its entry point**: nothing in the command line or the
 environment names it, and the CPU support does not import it (checked by
-``test_cpu_support_does_not_load_the_plugin``). Two runs:
+``test_cpu_support_does_not_load_the_plugin``). In the Ray processes the entry point and the
+driver's worker loader (``driver.py``) both load it; ``tests/test_driver_loading.py`` shows the
+loader alone is enough. Two runs:
 
 * ``v1``: the default (v1) trainer on verl's own ``ppo_trainer`` config with
   ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global`` (plain ``PolicyLossConfig``);
