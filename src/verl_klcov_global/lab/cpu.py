@@ -340,15 +340,17 @@ def _quiet_logger(name: str):
         logger.setLevel(level)
 
 
-def install_cpu_platform() -> None:
-    """Install the CPU platform, CPU engine registration and patches (idempotent).
+def has_platform_plugin() -> bool:
+    """True when verl selects devices through ``verl.plugin.platform`` (verl 0.9.x; 0.8.x has none)."""
+    import importlib.util
 
-    Call before building any engine. Safe to call many times and in every
-    spawned process.
-    """
-    global _INSTALLED, CPUPlatform
-    if _INSTALLED:
-        return
+    return importlib.util.find_spec("verl.plugin") is not None and \
+        importlib.util.find_spec("verl.plugin.platform") is not None
+
+
+def _install_platform_plugin() -> None:
+    """verl 0.9.x: register and select :class:`CPUPlatform` through ``verl.plugin.platform``."""
+    global CPUPlatform
     from verl.plugin.platform import PlatformRegistry, platform_manager, set_platform
 
     if CPUPlatform is None:
@@ -362,6 +364,71 @@ def install_cpu_platform() -> None:
         with _quiet_logger(platform_manager.__name__):
             set_platform(CPUPlatform())
     _patch_import_time_device_name()
+
+
+_TORCH_DEVICE_PATCHED = "__verl_klcov_cpu_torch_device__"
+
+
+def _patch_cpu_torch_device() -> None:
+    """PATCH cpu-torch-device (verl 0.8.0 ``utils/device.py``; 0.8 has no ``verl.plugin.platform``).
+
+    verl 0.8 picks the device from module-level flags computed at import
+    (``is_cuda_available``, ``is_npu_available``): on a CPU host
+    ``get_device_name()`` is already "cpu" and ``get_device_id()`` returns
+    ``torch.cpu.current_device()`` == "cpu", a string, as the engine needs. Only
+    ``get_torch_device()`` (``getattr(torch, "cpu")``) falls short: ``torch.cpu``
+    has no ``empty_cache``, ``memory_allocated``, ``max_memory_*``,
+    ``mem_get_info``, ``manual_seed``, RNG state calls, which verl's FSDP path
+    and memory logging call. It is replaced, in ``verl.utils.device`` and in
+    every verl module already imported that bound it by name (``from
+    verl.utils.device import get_torch_device``), by one that returns the
+    :class:`_CPUDeviceModule` stand-in; modules imported later bind the
+    replacement. Refuses a host where verl 0.8 detected an accelerator.
+    """
+    import sys
+
+    from verl.utils import device as verl_device
+
+    original = _require(verl_device, "get_torch_device", "verl.utils.device.get_torch_device")
+    if getattr(original, _TORCH_DEVICE_PATCHED, False):
+        return
+    device_name = _require(verl_device, "get_device_name", "verl.utils.device.get_device_name")()
+    if device_name != "cpu":
+        raise RuntimeError(
+            f"verl_klcov_global CPU support: verl detected device {device_name!r}; the CPU harness on verl 0.8 "
+            "runs only where verl's own detection says \"cpu\" (hide accelerators, e.g. CUDA_VISIBLE_DEVICES=)."
+        )
+    _require(verl_device, "get_device_id", "verl.utils.device.get_device_id")
+    module = _CPUDeviceModule()
+
+    def get_torch_device() -> Any:
+        return module
+
+    setattr(get_torch_device, _TORCH_DEVICE_PATCHED, True)
+    get_torch_device._original = original  # type: ignore[attr-defined]
+    for name, loaded in list(sys.modules.items()):
+        if (name == "verl" or name.startswith("verl.")) and getattr(loaded, "get_torch_device", None) is original:
+            loaded.get_torch_device = get_torch_device
+
+
+def install_cpu_platform() -> None:
+    """Install the CPU platform, CPU engine registration and patches (idempotent).
+
+    verl 0.9.x: :class:`CPUPlatform` through ``verl.plugin.platform`` plus PATCH
+    import-time-device-name. verl 0.8.x (no platform plugin; device detection
+    already says "cpu" on a CPU host): PATCH cpu-torch-device. Both: PATCH
+    engine-registry-cpu and fsdp1-sync-module-states-cpu.
+
+    Call before building any engine. Safe to call many times and in every
+    spawned process.
+    """
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    if has_platform_plugin():
+        _install_platform_plugin()
+    else:
+        _patch_cpu_torch_device()
     _register_cpu_engines()
     _patch_fsdp1_sync_module_states_cpu()
     _INSTALLED = True
