@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-from . import hook, loss
+from . import hook, loss, seams
 from .config import CLIP_COV_LOSS_MODE, LOSS_MODE
 from .loss import compute_policy_loss_clip_cov_global, compute_policy_loss_kl_cov_global
 
 
 def install() -> None:
     """Register ``kl_cov_global`` and ``clip_cov_global`` in verl's policy-loss registry, install the hook (idempotent)."""
+    seams.check_seams()  # raises VerlSeamError naming any verl seam that moved
     POLICY_LOSS_REGISTRY[LOSS_MODE] = compute_policy_loss_kl_cov_global
     POLICY_LOSS_REGISTRY[CLIP_COV_LOSS_MODE] = compute_policy_loss_clip_cov_global
     try:
