@@ -33,8 +33,11 @@ SUBSET=(
   tests/test_hook_engine_clip_cov.py
 )
 
+SECONDS=0
 bash scripts/setup.sh --verl "$VERSION"
+echo "verl $VERSION job: setup ${SECONDS} s"; SECONDS=0
 "$VENV/bin/python" -m pytest -q -m "not verl_0_9_only" "${SUBSET[@]}" "$@"
+echo "verl $VERSION job: tests ${SECONDS} s"; SECONDS=0
 
 mkdir -p out
 "$VENV/bin/verl-klcov-global" diagnose --json "out/diagnose-verl-$VERSION.json"
@@ -47,3 +50,4 @@ for mode in ("kl_cov_global", "clip_cov_global"):
     assert report["modes"][mode]["masks_identical"] is True, mode
 print(f"diagnose on verl {verl.__version__} ok:", report["verdict"])
 PY
+echo "verl $VERSION job: diagnose ${SECONDS} s"

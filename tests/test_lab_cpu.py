@@ -37,3 +37,25 @@ def test_verls_device_helpers_say_cpu_after_install():
     from verl.workers.engine.base import EngineRegistry
 
     assert EngineRegistry.get_engine_cls("language_model", "fsdp") is transformer_impl.FSDPEngineWithLMHead
+
+
+def test_legacy_minibatch_conversion_runs_without_flash_attn():
+    """PATCH padding-utils-without-flash-attn: verl 0.8's ``left_right_2_no_padding`` imports flash-attn;
+    with the patch (a no-op on 0.9.1, which has its own fallback) it runs on CPU and keeps every real token."""
+    from verl import DataProto
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    _cpu.ensure_padding_utils_without_flash_attn()
+    # prompt left-padded, response right-padded, as verl's trainer sends them
+    prompts = torch.tensor([[0, 0, 5, 6], [0, 7, 8, 9]])
+    responses = torch.tensor([[10, 11, 0], [12, 13, 14]])
+    attention_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1, 1]])
+    input_ids = torch.cat([prompts, responses], dim=1)
+    proto = DataProto.from_dict(tensors={
+        "input_ids": input_ids, "attention_mask": attention_mask, "prompts": prompts, "responses": responses,
+        "response_mask": attention_mask[:, 4:], "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+    })
+    data = left_right_2_no_padding(proto.to_tensordict())
+    assert data["input_ids"].is_nested
+    assert torch.equal(data["input_ids"].values(), input_ids[attention_mask.bool()])
+    assert data["input_ids"].offsets().tolist() == [0, 4, 10]

@@ -1,9 +1,10 @@
 """Run verl's real FSDP engine on a CPU-only machine.
 
 verl 0.9.1 has no CPU platform: without a GPU it falls back to "nvidia" and
-calls ``torch.cuda``. This module supplies the missing pieces so that the
-unmodified ``FSDPEngineWithLMHead`` (FSDP1 and FSDP2) trains on CPU with
-``gloo``:
+calls ``torch.cuda``; verl 0.8.0 detects "cpu" but hands the engine ``torch.cpu``,
+which lacks the memory and RNG calls verl makes. This module supplies the
+missing pieces so that the unmodified ``FSDPEngineWithLMHead`` (FSDP1 and
+FSDP2) trains on CPU with ``gloo``:
 
 * :func:`install_cpu_platform` -- a ``PlatformBase`` subclass for CPU,
   installed with ``set_platform``, a "cpu" entry in ``EngineRegistry`` and the
@@ -18,7 +19,7 @@ unmodified ``FSDPEngineWithLMHead`` (FSDP1 and FSDP2) trains on CPU with
   every strategy and world size.
 * :func:`spawn` -- run a module-level function on ``world_size`` gloo ranks.
 
-Targets: verl 0.9.1, torch 2.13 (CPU build), transformers 5.x.
+Targets: verl 0.9.1 and 0.8.0, torch 2.13 (CPU build), transformers 5.x.
 """
 
 from __future__ import annotations
@@ -411,13 +412,73 @@ def _patch_cpu_torch_device() -> None:
             loaded.get_torch_device = get_torch_device
 
 
+_PADDING_PATCHED = "__verl_klcov_padding_fallback__"
+
+
+def _torch_index_first_axis(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    return tensor[indices]
+
+
+def _torch_pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    output = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
+    output[indices] = hidden_states
+    return output.view(batch, seqlen, *hidden_states.shape[1:])
+
+
+def _torch_unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unused_mask=None):
+    all_masks = (attention_mask + unused_mask) if unused_mask is not None else attention_mask
+    seqlens = all_masks.sum(dim=-1, dtype=torch.int32)
+    used_seqlens = attention_mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(all_masks.flatten(), as_tuple=False).flatten()
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
+    return flat[indices], indices, cu_seqlens, int(seqlens.max().item()), used_seqlens
+
+
+def _einops_rearrange(*args: Any, **kwargs: Any) -> Any:
+    from einops import rearrange  # only this one needs einops, as in verl 0.9.1's fallback
+
+    return rearrange(*args, **kwargs)
+
+
+def ensure_padding_utils_without_flash_attn() -> None:
+    """PATCH padding-utils-without-flash-attn (verl 0.8.0 ``utils/attention_utils.py``).
+
+    verl's ``unpad_input`` / ``pad_input`` / ``index_first_axis`` (used by
+    ``workers/utils/padding.left_right_2_no_padding``, i.e. the legacy trainer's minibatch) import
+    ``flash_attn.bert_padding`` on every non-NPU host. verl 0.9.1 falls back to pure-torch
+    equivalents when flash-attn is absent (CPU hosts); 0.8.0 raises ``ModuleNotFoundError``. When
+    ``_get_attention_functions`` raises ``ImportError`` (0.8 on a host without flash-attn), it is
+    replaced by one returning the same pure-torch functions 0.9.1 uses; otherwise nothing changes.
+    """
+    from verl.utils import attention_utils
+
+    original = _require(attention_utils, "_get_attention_functions", "verl's attention-utils dispatcher")
+    if getattr(original, _PADDING_PATCHED, False):
+        return
+    try:
+        original()
+        return  # flash-attn, NPU kernels or verl's own fallback: nothing to do
+    except ImportError:
+        pass
+    functions = (_torch_index_first_axis, _torch_pad_input, _einops_rearrange, _torch_unpad_input)
+
+    def _get_attention_functions() -> tuple[Callable, Callable, Callable, Callable]:
+        return functions
+
+    setattr(_get_attention_functions, _PADDING_PATCHED, True)
+    _get_attention_functions._original = original  # type: ignore[attr-defined]
+    attention_utils._get_attention_functions = _get_attention_functions
+
+
 def install_cpu_platform() -> None:
     """Install the CPU platform, CPU engine registration and patches (idempotent).
 
     verl 0.9.x: :class:`CPUPlatform` through ``verl.plugin.platform`` plus PATCH
     import-time-device-name. verl 0.8.x (no platform plugin; device detection
     already says "cpu" on a CPU host): PATCH cpu-torch-device. Both: PATCH
-    engine-registry-cpu and fsdp1-sync-module-states-cpu.
+    engine-registry-cpu, fsdp1-sync-module-states-cpu and padding-utils-without-flash-attn
+    (a no-op where verl has its own fallback).
 
     Call before building any engine. Safe to call many times and in every
     spawned process.
@@ -431,6 +492,7 @@ def install_cpu_platform() -> None:
         _patch_cpu_torch_device()
     _register_cpu_engines()
     _patch_fsdp1_sync_module_states_cpu()
+    ensure_padding_utils_without_flash_attn()
     _INSTALLED = True
 
 
