@@ -20,7 +20,27 @@ from verl_klcov_global import (
 
 from .batches import boundary_gap, random_minibatch
 
-LOSS_AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
+_COMMON_AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
+
+
+def _verls_agg_modes() -> list[str]:
+    """The aggregation modes the installed verl's ``agg_loss`` accepts: verl 0.9 added "token-sum"."""
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    accepted = []
+    for mode in _COMMON_AGG_MODES + ["token-sum"]:
+        try:
+            agg_loss(loss_mat=torch.ones(1, 2), loss_mask=torch.ones(1, 2), loss_agg_mode=mode)
+        except ValueError as error:
+            assert "Invalid loss_agg_mode" in str(error), error
+            continue
+        accepted.append(mode)
+    assert accepted[: len(_COMMON_AGG_MODES)] == _COMMON_AGG_MODES  # in every supported verl
+    return accepted
+
+
+#: Compared against verl's kl_cov / clip_cov in every mode verl offers.
+LOSS_AGG_MODES = _verls_agg_modes()
 
 
 def actor_config(loss_mode, ratio=0.05, coef=1.0, global_batch_info=None):

@@ -8,6 +8,10 @@ no-grad prepass, instead of one per micro-batch. Select one with
 
 import verl  # noqa: F401  (loads verl's entry-point plugins first, this one included)
 
+from .seams import check_seams as _check_seams
+
+_check_seams()  # a moved verl seam fails here, by name, before anything is patched or registered
+
 from .config import (
     CLIP_COV_LOSS_MODE,
     LOSS_MODE,

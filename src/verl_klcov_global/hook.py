@@ -1,7 +1,8 @@
 """The only module that touches verl internals: the per-optimizer-step prepass hook.
 
-Target: verl 0.9.1. Every patch is listed here, named, and checked by
-``tests/test_hook_patches.py`` so that an upstream change fails loudly.
+Targets: verl 0.9.1 and 0.8.0 (the line references below are 0.9.1's). Every patch is listed
+here, named, and checked by ``tests/test_hook_patches.py``; the verl seams they rest on are
+checked at import by :mod:`verl_klcov_global.seams`, so that an upstream change fails loudly.
 
 PATCH ``train_batch_prepass``: wraps ``verl.workers.engine.base.BaseEngine.train_batch``
 (verl 0.9.1 ``workers/engine/base.py`` ~113; signature ``(self, data, loss_function)``;
@@ -112,8 +113,8 @@ from . import driver
 from .config import MASK_KEY, SUPPORTED_STRATEGIES
 from .loss import provide_selection_mask
 from .modes import KL_COV, GlobalLossMode, Selection, fit_width, global_mode_of, padded  # noqa: F401 (re-exported)
+from .seams import known_versions_text
 
-TARGET_VERL_VERSION = "0.9.1"
 #: ``torch.profiler.record_function`` names of the prepass forward and of the selection.
 PREPASS_RECORD_NAME = "verl_klcov_global.prepass"
 SELECTION_RECORD_NAME = "verl_klcov_global.selection"
@@ -158,8 +159,8 @@ def install_hook() -> None:
     params = list(inspect.signature(current).parameters)
     if params != ["self", "data", "loss_function"]:
         raise RuntimeError(
-            f"verl_klcov_global targets verl {TARGET_VERL_VERSION}: BaseEngine.train_batch(self, data, "
-            f"loss_function) was expected, found parameters {params}. Pin verl==0.9.1 or update the plugin."
+            f"verl_klcov_global: seam BaseEngine.train_batch(self, data, loss_function) moved, found parameters "
+            f"{params}. Known to work: verl {known_versions_text()}; install one of them or update the plugin."
         )
 
     @functools.wraps(current)
@@ -194,8 +195,8 @@ def install_driver_checks() -> None:
     if params != VALIDATE_CONFIG_PARAMETERS:
         raise RuntimeError(
             f"verl_klcov_global: verl.utils.config.validate_config{tuple(VALIDATE_CONFIG_PARAMETERS)} was expected "
-            f"(verl 0.8.0, 0.9.1), found parameters {params}: the plugin's driver checks cannot hook in. "
-            "Use verl 0.8.x or 0.9.x, or update the plugin."
+            f"(known to work: verl {known_versions_text()}), found parameters {params}: the plugin's driver checks "
+            "cannot hook in. Install one of those verl versions or update the plugin."
         )
 
     @functools.wraps(current)
@@ -328,7 +329,7 @@ def _policy_loss_with_mask_slice(loss_function: Callable, figures: dict, selecte
     if MASK_KEY not in data.keys():
         raise RuntimeError(
             f"micro-batch lost the per-token field {MASK_KEY!r} on its way from the minibatch: verl's micro-batch "
-            f"splitting changed (plugin targets verl {TARGET_VERL_VERSION})"
+            f"splitting changed (known to work: verl {known_versions_text()})"
         )
     # Same conversion verl's ppo_loss applies to response_mask, so the shapes match.
     mask = data.select("response_mask", MASK_KEY).to_padded_tensor()[MASK_KEY].bool()
@@ -525,8 +526,8 @@ def batched_logsumexp() -> Iterator[None]:
     original = verl_F.logprobs_from_logits_v2
     if list(inspect.signature(original).parameters) != ["logits", "labels"]:
         raise RuntimeError(
-            f"verl_klcov_global targets verl {TARGET_VERL_VERSION}: logprobs_from_logits_v2(logits, labels) "
-            "was expected. Pin verl==0.9.1 or update the plugin."
+            "verl_klcov_global: seam logprobs_from_logits_v2(logits, labels) moved. Known to work: verl "
+            f"{known_versions_text()}; install one of them or update the plugin."
         )
 
     def logprobs_from_logits_batched(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

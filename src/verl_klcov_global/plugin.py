@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-from . import hook, loss
+from . import hook, loss, seams
 from .config import CLIP_COV_LOSS_MODE, LOSS_MODE
 from .loss import compute_policy_loss_clip_cov_global, compute_policy_loss_kl_cov_global
 
@@ -19,6 +19,7 @@ def install() -> None:
     The hooks: PATCH ``train_batch_prepass`` (every process that trains) and PATCH
     ``validate_config_driver_checks`` (used by the driver: knob checks and worker loading before Ray starts).
     """
+    seams.check_seams()  # raises VerlSeamError naming any verl seam that moved
     POLICY_LOSS_REGISTRY[LOSS_MODE] = compute_policy_loss_kl_cov_global
     POLICY_LOSS_REGISTRY[CLIP_COV_LOSS_MODE] = compute_policy_loss_clip_cov_global
     try:

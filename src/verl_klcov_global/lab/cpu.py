@@ -1,9 +1,10 @@
 """Run verl's real FSDP engine on a CPU-only machine.
 
 verl 0.9.1 has no CPU platform: without a GPU it falls back to "nvidia" and
-calls ``torch.cuda``. This module supplies the missing pieces so that the
-unmodified ``FSDPEngineWithLMHead`` (FSDP1 and FSDP2) trains on CPU with
-``gloo``:
+calls ``torch.cuda``; verl 0.8.0 detects "cpu" but hands the engine ``torch.cpu``,
+which lacks the memory and RNG calls verl makes. This module supplies the
+missing pieces so that the unmodified ``FSDPEngineWithLMHead`` (FSDP1 and
+FSDP2) trains on CPU with ``gloo``:
 
 * :func:`install_cpu_platform` -- a ``PlatformBase`` subclass for CPU,
   installed with ``set_platform``, a "cpu" entry in ``EngineRegistry`` and the
@@ -18,7 +19,7 @@ unmodified ``FSDPEngineWithLMHead`` (FSDP1 and FSDP2) trains on CPU with
   every strategy and world size.
 * :func:`spawn` -- run a module-level function on ``world_size`` gloo ranks.
 
-Targets: verl 0.9.1, torch 2.13 (CPU build), transformers 5.x.
+Targets: verl 0.9.1 and 0.8.0, torch 2.13 (CPU build), transformers 5.x.
 """
 
 from __future__ import annotations
@@ -340,15 +341,17 @@ def _quiet_logger(name: str):
         logger.setLevel(level)
 
 
-def install_cpu_platform() -> None:
-    """Install the CPU platform, CPU engine registration and patches (idempotent).
+def has_platform_plugin() -> bool:
+    """True when verl selects devices through ``verl.plugin.platform`` (verl 0.9.x; 0.8.x has none)."""
+    import importlib.util
 
-    Call before building any engine. Safe to call many times and in every
-    spawned process.
-    """
-    global _INSTALLED, CPUPlatform
-    if _INSTALLED:
-        return
+    return importlib.util.find_spec("verl.plugin") is not None and \
+        importlib.util.find_spec("verl.plugin.platform") is not None
+
+
+def _install_platform_plugin() -> None:
+    """verl 0.9.x: register and select :class:`CPUPlatform` through ``verl.plugin.platform``."""
+    global CPUPlatform
     from verl.plugin.platform import PlatformRegistry, platform_manager, set_platform
 
     if CPUPlatform is None:
@@ -362,8 +365,134 @@ def install_cpu_platform() -> None:
         with _quiet_logger(platform_manager.__name__):
             set_platform(CPUPlatform())
     _patch_import_time_device_name()
+
+
+_TORCH_DEVICE_PATCHED = "__verl_klcov_cpu_torch_device__"
+
+
+def _patch_cpu_torch_device() -> None:
+    """PATCH cpu-torch-device (verl 0.8.0 ``utils/device.py``; 0.8 has no ``verl.plugin.platform``).
+
+    verl 0.8 picks the device from module-level flags computed at import
+    (``is_cuda_available``, ``is_npu_available``): on a CPU host
+    ``get_device_name()`` is already "cpu" and ``get_device_id()`` returns
+    ``torch.cpu.current_device()`` == "cpu", a string, as the engine needs. Only
+    ``get_torch_device()`` (``getattr(torch, "cpu")``) falls short: ``torch.cpu``
+    has no ``empty_cache``, ``memory_allocated``, ``max_memory_*``,
+    ``mem_get_info``, ``manual_seed``, RNG state calls, which verl's FSDP path
+    and memory logging call. It is replaced, in ``verl.utils.device`` and in
+    every verl module already imported that bound it by name (``from
+    verl.utils.device import get_torch_device``), by one that returns the
+    :class:`_CPUDeviceModule` stand-in; modules imported later bind the
+    replacement. Refuses a host where verl 0.8 detected an accelerator.
+    """
+    import sys
+
+    from verl.utils import device as verl_device
+
+    original = _require(verl_device, "get_torch_device", "verl.utils.device.get_torch_device")
+    if getattr(original, _TORCH_DEVICE_PATCHED, False):
+        return
+    device_name = _require(verl_device, "get_device_name", "verl.utils.device.get_device_name")()
+    if device_name != "cpu":
+        raise RuntimeError(
+            f"verl_klcov_global CPU support: verl detected device {device_name!r}; the CPU harness on verl 0.8 "
+            "runs only where verl's own detection says \"cpu\" (hide accelerators, e.g. CUDA_VISIBLE_DEVICES=)."
+        )
+    _require(verl_device, "get_device_id", "verl.utils.device.get_device_id")
+    module = _CPUDeviceModule()
+
+    def get_torch_device() -> Any:
+        return module
+
+    setattr(get_torch_device, _TORCH_DEVICE_PATCHED, True)
+    get_torch_device._original = original  # type: ignore[attr-defined]
+    for name, loaded in list(sys.modules.items()):
+        if (name == "verl" or name.startswith("verl.")) and getattr(loaded, "get_torch_device", None) is original:
+            loaded.get_torch_device = get_torch_device
+
+
+_PADDING_PATCHED = "__verl_klcov_padding_fallback__"
+
+
+def _torch_index_first_axis(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    return tensor[indices]
+
+
+def _torch_pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    output = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
+    output[indices] = hidden_states
+    return output.view(batch, seqlen, *hidden_states.shape[1:])
+
+
+def _torch_unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unused_mask=None):
+    all_masks = (attention_mask + unused_mask) if unused_mask is not None else attention_mask
+    seqlens = all_masks.sum(dim=-1, dtype=torch.int32)
+    used_seqlens = attention_mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(all_masks.flatten(), as_tuple=False).flatten()
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
+    return flat[indices], indices, cu_seqlens, int(seqlens.max().item()), used_seqlens
+
+
+def _einops_rearrange(*args: Any, **kwargs: Any) -> Any:
+    from einops import rearrange  # only this one needs einops, as in verl 0.9.1's fallback
+
+    return rearrange(*args, **kwargs)
+
+
+def ensure_padding_utils_without_flash_attn() -> None:
+    """PATCH padding-utils-without-flash-attn (verl 0.8.0 ``utils/attention_utils.py``).
+
+    verl's ``unpad_input`` / ``pad_input`` / ``index_first_axis`` (used by
+    ``workers/utils/padding.left_right_2_no_padding``, i.e. the legacy trainer's minibatch) import
+    ``flash_attn.bert_padding`` on every non-NPU host. verl 0.9.1 falls back to pure-torch
+    equivalents when flash-attn is absent (CPU hosts); 0.8.0 raises ``ModuleNotFoundError``. When
+    ``_get_attention_functions`` raises ``ImportError`` (0.8 on a host without flash-attn), it is
+    replaced by one returning the same pure-torch functions 0.9.1 uses; otherwise nothing changes.
+    """
+    from verl.utils import attention_utils
+
+    original = _require(attention_utils, "_get_attention_functions", "verl's attention-utils dispatcher")
+    if getattr(original, _PADDING_PATCHED, False):
+        return
+    try:
+        original()
+        return  # flash-attn, NPU kernels or verl's own fallback: nothing to do
+    except ImportError:
+        pass
+    functions = (_torch_index_first_axis, _torch_pad_input, _einops_rearrange, _torch_unpad_input)
+
+    def _get_attention_functions() -> tuple[Callable, Callable, Callable, Callable]:
+        return functions
+
+    setattr(_get_attention_functions, _PADDING_PATCHED, True)
+    _get_attention_functions._original = original  # type: ignore[attr-defined]
+    attention_utils._get_attention_functions = _get_attention_functions
+
+
+def install_cpu_platform() -> None:
+    """Install the CPU platform, CPU engine registration and patches (idempotent).
+
+    verl 0.9.x: :class:`CPUPlatform` through ``verl.plugin.platform`` plus PATCH
+    import-time-device-name. verl 0.8.x (no platform plugin; device detection
+    already says "cpu" on a CPU host): PATCH cpu-torch-device. Both: PATCH
+    engine-registry-cpu, fsdp1-sync-module-states-cpu and padding-utils-without-flash-attn
+    (a no-op where verl has its own fallback).
+
+    Call before building any engine. Safe to call many times and in every
+    spawned process.
+    """
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    if has_platform_plugin():
+        _install_platform_plugin()
+    else:
+        _patch_cpu_torch_device()
     _register_cpu_engines()
     _patch_fsdp1_sync_module_states_cpu()
+    ensure_padding_utils_without_flash_attn()
     _INSTALLED = True
 
 

@@ -259,6 +259,9 @@ def _legacy_td(t: dict[str, torch.Tensor], uid: np.ndarray, temperature: float) 
     from verl import DataProto
     from verl.workers.utils.padding import left_right_2_no_padding
 
+    from .cpu import ensure_padding_utils_without_flash_attn
+
+    ensure_padding_utils_without_flash_attn()  # verl 0.8 imports flash-attn here; 0.9.1 has a torch fallback
     proto = DataProto.from_dict(
         tensors=t, non_tensors={"uid": uid}, meta_info={"temperature": temperature, "multi_turn": False}
     )

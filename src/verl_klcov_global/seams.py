@@ -1,0 +1,246 @@
+"""The verl seams this plugin patches or reads, checked at import instead of verl's version string.
+
+A verl release that keeps every seam below works; one that moves any of them makes
+``import verl_klcov_global`` (and so the ``verl.plugins`` entry point,
+``VERL_USE_EXTERNAL_MODULES`` and ``external_lib``) raise :class:`VerlSeamError`, naming each
+moved seam and the verl versions known to work (:data:`KNOWN_VERL_VERSIONS`), before any
+patch is applied or any loss is registered.
+
+What is checked (names, signatures, dataclass fields; no verl source text):
+
+* the prepass hook's target and the engine calls it makes (``hook.py``):
+  ``BaseEngine.train_batch(self, data, loss_function)``, ``infer_batch``, ``optimizer_zero_grad``,
+  ``get_data_parallel_group``, ``to(device, model, optimizer, grad)``; ``FSDPEngineWithLMHead``
+  inherits ``train_batch`` from ``BaseEngine``; the engine config fields the prepass reads;
+* how verl calls a policy loss (``loss.py``): ``ppo_loss(config, model_output, data, dp_group)``,
+  ``POLICY_LOSS_REGISTRY``, ``register_policy_loss``, ``get_policy_loss_fn``, ``agg_loss`` and the
+  argument names of upstream ``kl_cov`` / ``clip_cov`` (the plugin's losses take the same);
+* the config fields the plugin reads (``config.py``): ``PolicyLossConfig`` and ``ActorConfig``;
+* the helpers used on the minibatch (``hook.py``, ``modes.py``): ``no_padding_2_padding``,
+  ``tensordict_utils``, ``Metric`` / ``AggregationType``, ``logprobs_from_logits_v2`` (PATCH
+  ``prepass_batched_logsumexp``), ``masked_mean``, ``get_device_name`` / ``get_device_id``;
+* ``verl.utils.config.validate_config(config, use_reference_policy, use_critic)`` (patched in the driver).
+
+Known to work: verl 0.8.0 and 0.9.1 (``tests/test_seams.py`` runs on both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+__all__ = ["KNOWN_VERL_VERSIONS", "SEAMS", "Seam", "VerlSeamError", "check_seams", "known_versions_text"]
+
+#: verl releases the whole test suite (0.9.1) or its version subset (0.8.0) passed on.
+KNOWN_VERL_VERSIONS = ("0.8.0", "0.9.1")
+
+
+class VerlSeamError(ImportError):
+    """The installed verl lacks a seam (signature, attribute, config field) the plugin relies on."""
+
+
+class _Moved(Exception):
+    """One seam's mismatch; the text says what was found instead."""
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One named seam: ``check()`` raises :class:`_Moved` with what it found when it does not hold."""
+
+    name: str
+    check: Callable[[], None]
+
+
+def known_versions_text() -> str:
+    return ", ".join(KNOWN_VERL_VERSIONS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+
+
+def _attr(module: str, qualname: str) -> Any:
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as error:
+        raise _Moved(f"module {module} cannot be imported ({error})") from None
+    for part in qualname.split("."):
+        if not hasattr(obj, part):
+            raise _Moved(f"{module}.{qualname} is missing")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _params(obj: Any) -> list[str]:
+    return list(inspect.signature(obj).parameters)
+
+
+def _signature(module: str, qualname: str, expected: list[str], *, prefix: bool = False,
+               contains: bool = False) -> Callable[[], None]:
+    """``module.qualname``'s parameter names equal ``expected`` (or start with it / include all of it)."""
+
+    def check() -> None:
+        found = _params(_attr(module, qualname))
+        if prefix:
+            ok = found[: len(expected)] == expected
+        elif contains:
+            ok = set(expected) <= set(found)
+        else:
+            ok = found == expected
+        if not ok:
+            raise _Moved(f"found parameters {found}")
+
+    return check
+
+
+def _exists(module: str, *qualnames: str) -> Callable[[], None]:
+    def check() -> None:
+        for qualname in qualnames:
+            _attr(module, qualname)
+
+    return check
+
+
+def _fields(module: str, qualname: str, expected: tuple[str, ...]) -> Callable[[], None]:
+    """``module.qualname`` is a dataclass with (at least) the fields ``expected``."""
+
+    def check() -> None:
+        cls = _attr(module, qualname)
+        if not dataclasses.is_dataclass(cls):
+            raise _Moved(f"{module}.{qualname} is no longer a dataclass")
+        missing = [name for name in expected if name not in {f.name for f in dataclasses.fields(cls)}]
+        if missing:
+            raise _Moved(f"fields {missing} are missing")
+
+    return check
+
+
+def _registry() -> None:
+    registry = _attr("verl.trainer.ppo.core_algos", "POLICY_LOSS_REGISTRY")
+    if not isinstance(registry, dict):
+        raise _Moved(f"POLICY_LOSS_REGISTRY is a {type(registry).__name__}, not a dict")
+
+
+def _fsdp_engine_inherits_train_batch() -> None:
+    engine = _attr("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead")
+    base = _attr("verl.workers.engine.base", "BaseEngine")
+    owners = [cls.__qualname__ for cls in engine.__mro__ if "train_batch" in vars(cls)]
+    if owners[:1] != [base.__qualname__] or not issubclass(engine, base):
+        raise _Moved(f"train_batch is defined by {owners}: an override would bypass the prepass hook")
+
+
+#: The keywords verl's ``ppo_loss`` passes to a registered policy loss; the plugin's losses take these.
+POLICY_LOSS_ARGUMENTS = ["old_log_prob", "log_prob", "advantages", "response_mask", "loss_agg_mode", "config",
+                         "rollout_is_weights"]
+
+
+def _loss_arguments_match_upstream() -> None:
+    for name in ("compute_policy_loss_kl_cov", "compute_policy_loss_clip_cov"):
+        found = _params(_attr("verl.trainer.ppo.core_algos", name))
+        if found != POLICY_LOSS_ARGUMENTS:
+            raise _Moved(f"{name} takes {found}; the plugin's losses take {POLICY_LOSS_ARGUMENTS}")
+
+
+_CORE = "verl.trainer.ppo.core_algos"
+_BASE = "verl.workers.engine.base"
+
+#: Every seam, in the order the plugin meets them.
+SEAMS: tuple[Seam, ...] = (
+    # hook.py: PATCH train_batch_prepass and the engine calls around it
+    Seam("verl.workers.engine.base.BaseEngine.train_batch(self, data, loss_function)",
+         _signature(_BASE, "BaseEngine.train_batch", ["self", "data", "loss_function"])),
+    Seam("verl.workers.engine.base.BaseEngine.infer_batch(self, data, loss_function, ...)",
+         _signature(_BASE, "BaseEngine.infer_batch", ["self", "data", "loss_function"], prefix=True)),
+    Seam("verl.workers.engine.base.BaseEngine.to(self, device, model, optimizer, grad)",
+         _signature(_BASE, "BaseEngine.to", ["self", "device", "model", "optimizer", "grad"])),
+    Seam("verl.workers.engine.base.BaseEngine.optimizer_zero_grad / get_data_parallel_group",
+         _exists(_BASE, "BaseEngine.optimizer_zero_grad", "BaseEngine.get_data_parallel_group")),
+    Seam("verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead inherits BaseEngine.train_batch",
+         _fsdp_engine_inherits_train_batch),
+    Seam("verl.workers.config.FSDPEngineConfig fields strategy, infer_micro_batch_size_per_gpu, "
+         "infer_max_token_len_per_gpu",
+         _fields("verl.workers.config", "FSDPEngineConfig",
+                 ("strategy", "infer_micro_batch_size_per_gpu", "infer_max_token_len_per_gpu"))),
+    Seam("verl.workers.utils.padding.no_padding_2_padding(tensor, data)",
+         _signature("verl.workers.utils.padding", "no_padding_2_padding", ["tensor", "data"])),
+    Seam("verl.utils.tensordict_utils.get_non_tensor_data(data, key, default)",
+         _signature("verl.utils.tensordict_utils", "get_non_tensor_data", ["data", "key", "default"])),
+    Seam("verl.utils.tensordict_utils.assign_non_tensor(tensor_dict, **kwargs)",
+         _signature("verl.utils.tensordict_utils", "assign_non_tensor", ["tensor_dict", "kwargs"])),
+    Seam("verl.utils.tensordict_utils.index_select_tensor_dict(batch, indices)",
+         _signature("verl.utils.tensordict_utils", "index_select_tensor_dict", ["batch", "indices"])),
+    Seam("verl.utils.metric.Metric / AggregationType.MEAN", _exists("verl.utils.metric", "Metric", "AggregationType.MEAN")),
+    Seam("verl.utils.torch_functional.logprobs_from_logits_v2(logits, labels)",
+         _signature("verl.utils.torch_functional", "logprobs_from_logits_v2", ["logits", "labels"])),
+    Seam("verl.utils.torch_functional.logprobs_from_logits / masked_mean",
+         _exists("verl.utils.torch_functional", "logprobs_from_logits", "masked_mean")),
+    Seam("verl.utils.device.get_device_name / get_device_id",
+         _exists("verl.utils.device", "get_device_name", "get_device_id")),
+    # loss.py: how verl finds and calls a policy loss
+    Seam("verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY (a dict)", _registry),
+    Seam("verl.trainer.ppo.core_algos.register_policy_loss(name) / get_policy_loss_fn(name)",
+         lambda: (_signature(_CORE, "register_policy_loss", ["name"])(),
+                  _signature(_CORE, "get_policy_loss_fn", ["name"])())),
+    Seam("verl.trainer.ppo.core_algos.agg_loss(loss_mat, loss_mask, loss_agg_mode, **global_batch_info)",
+         _signature(_CORE, "agg_loss", ["loss_mat", "loss_mask", "loss_agg_mode", "dp_size", "batch_num_tokens",
+                                        "global_batch_size", "loss_scale_factor"], contains=True)),
+    Seam("verl.trainer.ppo.core_algos policy-loss arguments (old_log_prob, log_prob, advantages, response_mask, "
+         "loss_agg_mode, config, rollout_is_weights)", _loss_arguments_match_upstream),
+    Seam("verl.workers.utils.losses.ppo_loss(config, model_output, data, dp_group)",
+         _signature("verl.workers.utils.losses", "ppo_loss", ["config", "model_output", "data", "dp_group"])),
+    # config.py: the knobs read from the actor config
+    Seam("verl.workers.config.actor.PolicyLossConfig fields loss_mode, kl_cov_ratio, ppo_kl_coef, clip_cov_ratio, "
+         "clip_cov_lb, clip_cov_ub",
+         _fields("verl.workers.config.actor", "PolicyLossConfig",
+                 ("loss_mode", "kl_cov_ratio", "ppo_kl_coef", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"))),
+    Seam("verl.workers.config.actor.ActorConfig fields policy_loss, loss_agg_mode, clip_ratio, clip_ratio_low, "
+         "clip_ratio_high, global_batch_info",
+         _fields("verl.workers.config.actor", "ActorConfig",
+                 ("policy_loss", "loss_agg_mode", "clip_ratio", "clip_ratio_low", "clip_ratio_high",
+                  "global_batch_info"))),
+    # driver-side validation
+    Seam("verl.utils.config.validate_config(config, use_reference_policy, use_critic)",
+         _signature("verl.utils.config", "validate_config", ["config", "use_reference_policy", "use_critic"])),
+)
+
+_CHECKED = False
+
+
+def check_seams(seams: Optional[tuple[Seam, ...]] = None, *, force: bool = False) -> list[str]:
+    """Check every seam; raise one :class:`VerlSeamError` listing each that moved. Returns the names checked.
+
+    The result of a full check is cached per process (``force=True`` checks again).
+    """
+    global _CHECKED
+    if seams is None and _CHECKED and not force:
+        return [seam.name for seam in SEAMS]
+    seams = SEAMS if seams is None else seams
+    moved = []
+    for seam in seams:
+        try:
+            seam.check()
+        except _Moved as mismatch:
+            moved.append(f"  - {seam.name}: {mismatch}")
+    if moved:
+        raise VerlSeamError(
+            f"verl_klcov_global cannot run on the installed verl ({_installed_version()}): "
+            f"{len(moved)} seam(s) it patches or reads moved:\n" + "\n".join(moved) + "\n"
+            f"Known to work: verl {known_versions_text()}. Install one of them (e.g. pip install 'verl=="
+            f"{KNOWN_VERL_VERSIONS[-1]}') or update verl_klcov_global for this verl."
+        )
+    if seams is SEAMS:
+        _CHECKED = True
+    return [seam.name for seam in seams]
+
+
+def _installed_version() -> str:
+    """For the message only: nothing depends on the version string."""
+    try:
+        import verl
+
+        return f"verl {getattr(verl, '__version__', 'of unknown version')}"
+    except ImportError:  # pragma: no cover - the plugin imports verl first
+        return "verl not importable"
