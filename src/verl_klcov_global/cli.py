@@ -108,8 +108,8 @@ def _usage_errors(given: dict) -> list[str]:
     if given.get("config_name"):
         return [f"{_option_name(dest)} comes from your training config with --config-name; override "
                 f"{CONFIG_KEYS[dest]} instead" for dest in CONFIG_KEYS if dest in given]
-    return [f"{_option_name(dest) if dest != 'overrides' else 'Hydra overrides ' + ' '.join(given[dest])} "
-            "only apply with --config-name" for dest in _CONFIG_ONLY if given.get(dest)]
+    return [f"Hydra overrides {' '.join(given[dest])} only apply with --config-name" if dest == "overrides"
+            else f"{_option_name(dest)} only applies with --config-name" for dest in _CONFIG_ONLY if given.get(dest)]
 
 
 def _diagnose(given: dict) -> int:

@@ -134,7 +134,12 @@ def compose_config(config_path: Optional[str], config_name: str, overrides: Sequ
         raise
     except Exception as error:  # Hydra/OmegaConf/YAML: say which and why, then what to change
         cause = f" ({type(error.__cause__).__name__}: {error.__cause__})" if error.__cause__ else ""
+        if getattr(error, "full_key", None):
+            cause += f" at key {error.full_key}"
         where = folder or f"pkg://{VERL_CONFIG_MODULE}"
+        if config_path is None and folder is None:
+            cause += (f". Without --config-path, diagnose looks for {config_name}.yaml in ./configs, then in the "
+                      f"plugin's {SOURCE_CONFIG_DIR}, then among verl's own trainer configs; give --config-path DIR")
         raise DiagnoseError(
             f"cannot compose config {config_name!r} from {where} with overrides {list(overrides)}: "
             f"{type(error).__name__}: {error}{cause}. Check the config file and the overrides as you would for "
