@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--micro-batches", type=int, help="N, the split compared with 1 (default 8)")
     add("--layout", choices=["dynamic", "static"],
         help="dynamic (token budget, verl's use_dynamic_bsz; the default) or static micro-batches")
-    add("--blocks", type=int, help="independent minibatches (seeds) (default 3)")
+    add("--blocks", type=int, help="independent minibatches (seeds) (default 3; with --config-name 2)")
     add("--seed", type=int, help="default 0")
     add("--batch-size", type=int, help="sequences in the minibatch (default 64)")
     add("--prompt-len", type=int, help="default 16")
@@ -125,7 +125,7 @@ def _diagnose(given: dict) -> int:
 
             plan = plan_for(given.get("config_path"), given["config_name"], given.get("overrides") or [],
                             max_tokens=given.get("max_tokens"), device=given.get("device"),
-                            tiny_model=bool(given.get("tiny_model")), blocks=given.get("blocks", 3),
+                            tiny_model=bool(given.get("tiny_model")), blocks=given.get("blocks"),
                             seed=given.get("seed", 0), loss_mode=given.get("loss_mode"),
                             json_path=given.get("json_path"))
             options, extra = plan.options, plan.to_json()

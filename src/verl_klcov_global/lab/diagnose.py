@@ -77,6 +77,9 @@ class DiagnoseOptions:
     clip_ratio_high: Optional[float] = None
     clip_ratio_c: Optional[float] = None
     prepass_layout: str = "infer"
+    #: also run kl_cov_global with the other prepass layout (``kl_cov_global[prepass=train]``) when
+    #: ``prepass_layout`` is infer; ``--config-name`` runs only the config's layout
+    compare_prepass_layouts: bool = True
 
     @property
     def explicit_layout(self) -> bool:
@@ -264,7 +267,7 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
             return _actor_config(options, mode)
 
         modes = tuple(dict.fromkeys(m for g in global_modes_of(options) for m in compared_modes(g)))
-        if options.prepass_layout == "train":  # kl_cov_global itself is the prepass=train variant
+        if options.prepass_layout == "train" or not options.compare_prepass_layouts:
             modes = tuple(m for m in modes if m != TRAIN_LAYOUT_MODE)
         repeat_modes = tuple(m for m in modes if m.startswith("clip_cov"))
         updates = 2 * len(modes) + len(repeat_modes)
