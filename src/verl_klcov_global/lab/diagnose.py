@@ -386,16 +386,16 @@ def format_settings(report: dict) -> list[str]:
     config = report["config"]
     overrides = " ".join(config["overrides"]) or "none"
     lines = [f"config: {config['name']} from {config['path']} | overrides: {overrides}", ""]
-    rows = [("setting", "used", "from", "key / note")]
+    rows = [("setting", "used", "yours (if other)", "from", "key / note")]
     for setting in report["settings"]:
         used = _value_text(setting["value"]) if setting["name"] != "model" or setting["value"] else "embedded tiny Qwen2"
-        if setting["yours"] is not None:
-            used += f" (yours: {_value_text(setting['yours'])})"
+        yours = "" if setting["yours"] is None else _value_text(setting["yours"])
         where = " | ".join(x for x in (setting["key"] and setting["key"].replace("actor_rollout_ref.", ""),
                                        setting["note"]) if x)
-        rows.append((setting["name"], used, setting["source"], where))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines += [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:<{widths[2]}}  {d}".rstrip() for a, b, c, d in rows]
+        rows.append((setting["name"], used, yours, setting["source"], where))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines += ["  ".join(f"{cell:<{width}}" for cell, width in zip(row, widths)) + "  " + row[4] for row in rows]
+    lines = [line.rstrip() for line in lines]
     lines += ["", f"shape: {report['scaling']['text']}"]
     lines += [f"note: {note}" for note in report["notes"]]
     return lines + [""]

@@ -493,7 +493,7 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
         layout_kwargs = dict(layout="static", micro_batch_size_per_gpu=user_micro,
                              infer_micro_batch_size_per_gpu=user_infer_micro, infer_max_token_len_per_gpu=None)
     settings.append(Setting("minibatch per DP rank", shape.text(),
-                            SOURCE_CONFIG if not scaled else f"{SOURCE_CONFIG}, scaled by --max-tokens", None,
+                            SOURCE_CONFIG if not scaled else f"{SOURCE_CONFIG}, scaled", None,
                             full.text() if scaled else None, "all sequences at the maximum lengths"))
     if micro_batches == 1:
         notes.append("your micro-batching puts a data-parallel rank's whole minibatch in one micro-batch: upstream's "
@@ -506,7 +506,7 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
             notes.append(f"{key}={value!r} is not reproduced: diagnose runs one optimizer update"
                          + (" per layout" if name == "ppo_epochs" else f" with {name}={ignored_if!r}")
                          + " (it does not change which tokens are selected).")
-    fixed("optimizer", "SGD, lr 0.02, grad clip 0.05, 1 update per layout",
+    fixed("optimizer", "SGD lr 0.02, clip 0.05, 1 step",
           "on purpose: parameter differences are gradient differences (your optim settings are not used)")
     if blocks is None:
         blocks = fixed("blocks", DEFAULT_BLOCKS, "independent minibatches (seeds)")
