@@ -13,7 +13,7 @@ import pytest
 
 from verl_klcov_global import cli
 from verl_klcov_global.lab.diagnose import DiagnoseError
-from verl_klcov_global.lab.user_config import SOURCE_CONFIG_DIR, plan_for, scale_shape, Shape
+from verl_klcov_global.lab.user_config import DEFAULT_MAX_TOKENS, SOURCE_CONFIG_DIR, Shape, plan_for, scale_shape
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,7 +128,7 @@ def test_plugin_config_with_no_overrides_is_planned_with_its_gaps_said(monkeypat
     # ppo_trainer leaves ppo_micro_batch_size_per_gpu null: a diagnose default, said in a note
     assert settings["ppo_micro_batch_size_per_gpu"].source == "diagnose default"
     assert any("ppo_micro_batch_size_per_gpu is null" in note for note in plan.notes)
-    assert options.batch_size * (options.prompt_len + options.response_len) <= 4096
+    assert options.batch_size * (options.prompt_len + options.response_len) <= DEFAULT_MAX_TOKENS["cpu"]
 
 
 def test_megatron_goes_on_with_fsdp2_and_says_so(monkeypatch):

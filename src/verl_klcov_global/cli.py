@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Hydra overrides, the same you pass to main_ppo (key=value, +key=value, ~key)")
     config.add_argument("--max-tokens", type=int,
                         help="most tokens in the minibatch diagnose runs (one data-parallel rank's); larger ones "
-                             "are scaled down (default 4096 on cpu, 16384 on cuda)")
+                             "are scaled down (default 2048 on cpu, 16384 on cuda)")
     config.add_argument("--tiny-model", action="store_true",
                         help="use the embedded tiny Qwen2 even when your model path exists here")
     return parser

@@ -36,7 +36,7 @@ SOURCE_CONFIG_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."
 #: verl's own trainer configs: main_ppo's config path when no --config-path is given.
 VERL_CONFIG_MODULE = "verl.trainer.config"
 #: --max-tokens defaults: tokens of the (per-rank) minibatch diagnose runs, per device.
-DEFAULT_MAX_TOKENS = {"cpu": 4096, "cuda": 16384}
+DEFAULT_MAX_TOKENS = {"cpu": 2048, "cuda": 16384}
 #: micro-batches formed when the config sets no micro-batch size (verl would refuse it; see notes)
 DEFAULT_MICRO_BATCHES = 8
 MIN_PROMPT_LEN, MIN_RESPONSE_LEN = 8, 16
