@@ -74,7 +74,8 @@ def test_user_config_with_overrides_gives_its_settings_and_sources(tmp_path):
     assert options.layout == "dynamic" and options.micro_batches == 32 and options.max_token_len_per_gpu == 128
     assert options.infer_max_token_len_per_gpu == 128  # log-prob budget follows the actor's (ppo_trainer interpolates)
     assert (options.dtype, options.strategy, options.use_remove_padding) == ("fp32", "fsdp", False)
-    assert (options.loss_agg_mode, options.clip_ratio_high, options.clip_ratio_low) == ("seq-mean-token-mean", 0.28, 0.2)
+    assert options.loss_agg_mode == "seq-mean-token-mean"
+    assert (options.clip_ratio_high, options.clip_ratio_low) == (0.28, 0.2)
     assert (options.kl_cov_ratio, options.ppo_kl_coef, options.loss_mode) == (0.002, 0.5, "kl_cov_global")
     assert options.model is None  # /nonexistent/model: the embedded tiny model, said plainly
     assert any("/nonexistent/model" in note and "embedded tiny Qwen2" in note for note in plan.notes)
@@ -147,7 +148,8 @@ def test_scaling_keeps_the_micro_batch_count_or_refuses():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--config-path", "/nonexistent/dir", "--config-name", "x"], "--config-path '/nonexistent/dir': no such directory"),
+    (["--config-path", "/nonexistent/dir", "--config-name", "x"],
+     "--config-path '/nonexistent/dir': no such directory"),
     (["--config-name", "no_such_config"], "no_such_config"),
     (["--config-name", "kl_cov_global", "actor_rollout_ref.actor.no_such_key=1"],
      "To append to your config use +actor_rollout_ref.actor.no_such_key=1"),
@@ -211,3 +213,13 @@ def test_a_smaller_token_budget_shows_in_the_upstream_column_not_the_global_one(
         assert report["modes"]["kl_cov_global"]["masks_identical"] is True
         assert report["invariant"] is True
     assert "clip_cov" not in reports[256]["modes"]  # the config's loss_mode names kl_cov_global only
+
+
+def test_ulysses_folds_into_the_data_parallel_shard_and_its_budget(monkeypatch):
+    monkeypatch.chdir(REPO)
+    plan = plan_for(None, "kl_cov_global", ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], device="cpu")
+    # 8 GPUs / SP 2 = 4 DP ranks of 64 x 1024 tokens; budget 16384 x SP 2 -> 2 micro-batches
+    assert plan.scaling["data_parallel_size"] == 4 and plan.scaling["full"]["sequences"] == 64
+    assert plan.scaling["micro_batches"] == 2 and plan.options.micro_batches == 2
+    assert any("Ulysses sequence parallelism 2" in note for note in plan.notes)

@@ -388,7 +388,9 @@ def format_settings(report: dict) -> list[str]:
     lines = [f"config: {config['name']} from {config['path']} | overrides: {overrides}", ""]
     rows = [("setting", "used", "yours (if other)", "from", "key / note")]
     for setting in report["settings"]:
-        used = _value_text(setting["value"]) if setting["name"] != "model" or setting["value"] else "embedded tiny Qwen2"
+        used = _value_text(setting["value"])
+        if setting["name"] == "model" and setting["value"] is None:
+            used = "embedded tiny Qwen2"
         yours = "" if setting["yours"] is None else _value_text(setting["yours"])
         where = " | ".join(x for x in (setting["key"] and setting["key"].replace("actor_rollout_ref.", ""),
                                        setting["note"]) if x)

@@ -218,8 +218,8 @@ class _Reader:
 _MISSING = object()
 
 
-def _positive_int(value: Any, key: str) -> Optional[int]:
-    if value is None:
+def _positive_int(value: Any, key: str, required: bool = False) -> Optional[int]:
+    if value is None and not required:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise DiagnoseError(f"{key} must be a positive integer, got {value!r}; set {key}=<int>")
@@ -283,8 +283,8 @@ def scale_shape(full: Shape, micro_batches: int, max_tokens: int) -> Shape:
 
 
 def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tokens: Optional[int] = None,
-                     device: Optional[str] = None, tiny_model: bool = False, blocks: Optional[int] = None, seed: int = 0,
-                     loss_mode: Optional[str] = None, json_path: Optional[str] = None,
+                     device: Optional[str] = None, tiny_model: bool = False, blocks: Optional[int] = None,
+                     seed: int = 0, loss_mode: Optional[str] = None, json_path: Optional[str] = None,
                      where: str = "", config_name: str = "") -> ConfigPlan:
     """Diagnose's options from a composed verl trainer config; see the module docstring."""
     import torch
@@ -386,14 +386,15 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
                             f"{ACTOR}.ulysses_sequence_parallel_size = {sp}")
     dp = world // sp
     mini = _positive_int(take("ppo_mini_batch_size (prompts)", f"{ACTOR}.ppo_mini_batch_size"),
-                         f"{ACTOR}.ppo_mini_batch_size")
+                         f"{ACTOR}.ppo_mini_batch_size", required=True)
     n = _positive_int(take("rollout.n", f"{ROLLOUT}.n"), f"{ROLLOUT}.n") or 1
     if (mini * n) % dp:
         raise DiagnoseError(f"ppo_mini_batch_size * rollout.n = {mini * n} sequences do not split over {dp} "
                             f"data-parallel ranks; verl's main_ppo refuses this too")
-    prompt_len = _positive_int(take("max_prompt_length", "data.max_prompt_length"), "data.max_prompt_length")
+    prompt_len = _positive_int(take("max_prompt_length", "data.max_prompt_length"), "data.max_prompt_length",
+                               required=True)
     response_len = _positive_int(take("max_response_length", "data.max_response_length"),
-                                 "data.max_response_length")
+                                 "data.max_response_length", required=True)
     full = Shape(mini * n // dp, prompt_len, response_len)
     if sp > 1:
         notes.append(f"Ulysses sequence parallelism {sp}: diagnose runs one data-parallel rank's whole shard in one "
@@ -424,19 +425,18 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
             raise DiagnoseError(f"use_dynamic_bsz=True needs {infer_budget_key}; set it")
     else:
         micro = _positive_int(r.get(micro_key), micro_key)
-        legacy = _positive_int(r.get(f"{ACTOR}.ppo_micro_batch_size"), f"{ACTOR}.ppo_micro_batch_size")
         micro_source, micro_note = None, ""
-        if micro is None and legacy is not None:
-            micro, micro_source, micro_note = legacy // world, r.source(f"{ACTOR}.ppo_micro_batch_size"), \
-                "ppo_micro_batch_size / world size, as verl does"
         if micro is None:
             micro_batches = min(DEFAULT_MICRO_BATCHES, full.sequences)
             while full.sequences % micro_batches:
                 micro_batches -= 1
             micro = full.sequences // micro_batches
             micro_source, micro_note = SOURCE_DEFAULT, f"unset: {micro_batches} micro-batches"
+            legacy = r.get(f"{ACTOR}.ppo_micro_batch_size")
             notes.append(f"{micro_key} is null and use_dynamic_bsz is False: verl's main_ppo would refuse this "
-                         f"config. diagnose uses {micro} sequences per micro-batch ({micro_batches} micro-batches); "
+                         f"config" + (f" (the deprecated ppo_micro_batch_size={legacy} is not read by verl 0.9.1's "
+                                      "engine workers)" if legacy is not None else "")
+                         + f". diagnose uses {micro} sequences per micro-batch ({micro_batches} micro-batches); "
                          f"set {micro_key} to see your own.")
         if micro < 1 or full.sequences % micro:
             raise DiagnoseError(f"{micro_key}={micro} does not divide the {full.sequences} sequences one "
@@ -446,8 +446,9 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
         infer_source, infer_note = None, ""
         if infer_micro is None:
             infer_micro, infer_source, infer_note = micro, SOURCE_DEFAULT, "unset: the training micro-batch size"
-            notes.append(f"{infer_micro_key} is null (verl's main_ppo would refuse it with static batching): diagnose's "
-                         f"log-prob inference (the prepass's default layout) uses {micro}, the training micro-batch size.")
+            notes.append(f"{infer_micro_key} is null (verl's main_ppo would refuse it with static batching): "
+                         f"diagnose's log-prob inference (the prepass's default layout) uses {micro}, the training "
+                         "micro-batch size.")
 
     # scale to the device
     max_tokens_source = SOURCE_OPTION if max_tokens else SOURCE_DEFAULT
@@ -478,8 +479,8 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
                                 "verl's dynamic batching refuses it")
         take("log_prob_max_token_len_per_gpu", infer_budget_key, user_infer,
              yours=infer_budget if user_infer != infer_budget else None, note="scaled" if scaled else "")
-        layout_kwargs = dict(layout="dynamic", max_token_len_per_gpu=user_budget, infer_max_token_len_per_gpu=user_infer,
-                             infer_micro_batch_size_per_gpu=None)
+        layout_kwargs = dict(layout="dynamic", max_token_len_per_gpu=user_budget,
+                             infer_max_token_len_per_gpu=user_infer, infer_micro_batch_size_per_gpu=None)
     else:
         user_micro = shape.sequences // micro_batches
         take("ppo_micro_batch_size_per_gpu", micro_key, user_micro, source=micro_source,
@@ -499,7 +500,8 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
         notes.append("your micro-batching puts a data-parallel rank's whole minibatch in one micro-batch: upstream's "
                      "selection does not depend on micro-batching here (only on the DP size, which one process "
                      "cannot show); both layouts below are the same.")
-    for name, key, ignored_if in (("ppo_epochs", f"{ACTOR}.ppo_epochs", 1), ("entropy_coeff", f"{ACTOR}.entropy_coeff", 0),
+    for name, key, ignored_if in (("ppo_epochs", f"{ACTOR}.ppo_epochs", 1),
+                                  ("entropy_coeff", f"{ACTOR}.entropy_coeff", 0),
                                   ("use_kl_loss", f"{ACTOR}.use_kl_loss", False)):
         value = r.get(key)
         if value is not None and value != ignored_if:
