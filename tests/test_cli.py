@@ -105,7 +105,7 @@ def test_clip_cov_global_must_also_reproduce_its_update():
 
 def test_exit_status_is_one_when_not_invariant(monkeypatch, capsys):
     failing = summarise(DiagnoseOptions(), "cpu", ["1 micro-batch", "8 micro-batches"], [_block(False, 1e-7)])
-    monkeypatch.setattr("verl_klcov_global.lab.diagnose.run_diagnose", lambda options: failing)
+    monkeypatch.setattr("verl_klcov_global.lab.diagnose.run_diagnose", lambda options, **kwargs: failing)
     assert cli.main(["diagnose"]) == 1
     assert "FAIL: kl_cov_global is NOT invariant" in capsys.readouterr().out
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import Optional, Sequence
 
@@ -24,46 +25,132 @@ def build_parser() -> argparse.ArgumentParser:
             "mode's masks are identical and its parameter differences stay within 10x the control's."
         ),
     )
-    diagnose.add_argument("--model", help="local HF checkpoint folder (default: an embedded tiny Qwen2 built locally)")
-    diagnose.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
-    diagnose.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    diagnose.add_argument("--micro-batches", type=int, default=8, help="N, the split compared with 1 (default 8)")
-    diagnose.add_argument("--layout", default="dynamic", choices=["dynamic", "static"],
-                          help="dynamic (token budget, verl's use_dynamic_bsz) or static micro-batches")
-    diagnose.add_argument("--blocks", type=int, default=3, help="independent minibatches (seeds) (default 3)")
-    diagnose.add_argument("--seed", type=int, default=0)
-    diagnose.add_argument("--batch-size", type=int, default=64, help="sequences in the minibatch (default 64)")
-    diagnose.add_argument("--prompt-len", type=int, default=16)
-    diagnose.add_argument("--response-len", type=int, default=128)
-    diagnose.add_argument("--kl-cov-ratio", type=float, default=0.0002)
-    diagnose.add_argument("--ppo-kl-coef", type=float, default=1.0)
-    diagnose.add_argument("--loss-mode", default="all", choices=["all", "kl_cov_global", "clip_cov_global"],
-                          help="which global modes to diagnose (default all)")
-    diagnose.add_argument("--clip-cov-ratio", type=float, default=0.002,
-                          help="Clip-Cov quota fraction (default 0.002; verl's default 0.0002)")
-    diagnose.add_argument("--clip-cov-lb", type=float, default=0.3,
-                          help="Clip-Cov window's lower bound (default 0.3, for the tiny model's small covariances; "
-                               "verl's default 1.0)")
-    diagnose.add_argument("--clip-cov-ub", type=float, default=5.0, help="Clip-Cov window's upper bound (default 5)")
-    diagnose.add_argument("--clip-cov-seed", type=int, default=0, help="clip_cov_global's sampling seed (default 0)")
-    diagnose.add_argument("--strategy", default="fsdp", choices=["fsdp", "fsdp2"])
-    diagnose.add_argument("--json", dest="json_path", help="also write the full report as JSON to this file")
+    # Absent options leave no attribute, so --config-name can tell which were given (_usage_errors);
+    # DiagnoseOptions holds the defaults the help texts state.
+    add = functools.partial(_add_suppressed, diagnose)
+    add("--model", help="local HF checkpoint folder (default: an embedded tiny Qwen2 built locally)")
+    add("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
+    add("--dtype", choices=["fp32", "bf16"], help="default fp32")
+    add("--micro-batches", type=int, help="N, the split compared with 1 (default 8)")
+    add("--layout", choices=["dynamic", "static"],
+        help="dynamic (token budget, verl's use_dynamic_bsz; the default) or static micro-batches")
+    add("--blocks", type=int, help="independent minibatches (seeds) (default 3; with --config-name 2)")
+    add("--seed", type=int, help="default 0")
+    add("--batch-size", type=int, help="sequences in the minibatch (default 64)")
+    add("--prompt-len", type=int, help="default 16")
+    add("--response-len", type=int, help="default 128")
+    add("--kl-cov-ratio", type=float, help="default 0.0002")
+    add("--ppo-kl-coef", type=float, help="default 1.0")
+    add("--loss-mode", choices=["all", "kl_cov_global", "clip_cov_global"],
+        help="which global modes to diagnose (default all; with --config-name: the one your loss_mode names, else all)")
+    add("--clip-cov-ratio", type=float, help="Clip-Cov quota fraction (default 0.002; verl's default 0.0002)")
+    add("--clip-cov-lb", type=float,
+        help="Clip-Cov window's lower bound (default 0.3, for the tiny model's small covariances; verl's default 1.0)")
+    add("--clip-cov-ub", type=float, help="Clip-Cov window's upper bound (default 5)")
+    add("--clip-cov-seed", type=int, help="clip_cov_global's sampling seed (default 0)")
+    add("--strategy", choices=["fsdp", "fsdp2"], help="default fsdp")
+    add("--json", dest="json_path", help="also write the full report as JSON to this file")
+    config = diagnose.add_argument_group(
+        "your training config",
+        "Run diagnose on your own verl training config, composed as python -m verl.trainer.main_ppo composes it: "
+        "micro-batching, log-prob inference settings, padding removal, strategy, dtype, loss aggregation, the "
+        "kl_cov/clip_cov knobs, the PPO clip range and the model path come from it; the minibatch shape from "
+        "ppo_mini_batch_size, rollout.n, the world size and data.max_*_length, scaled down to --max-tokens. "
+        "Upstream and global modes: your micro-batching vs the whole minibatch in one micro-batch.",
+    )
+    config.add_argument("--config-name", help="your config's name, as for main_ppo (e.g. kl_cov_global)")
+    config.add_argument(
+        "--config-path",
+        help="its folder (relative to the current directory). Default: ./configs when it holds NAME.yaml (the "
+             "plugin's configs, from the repository root), else the plugin's source checkout's configs/, else "
+             "verl's own trainer configs (as main_ppo without --config-path)",
+    )
+    config.add_argument("overrides", nargs="*", metavar="OVERRIDE",
+                        help="Hydra overrides, the same you pass to main_ppo (key=value, +key=value, ~key)")
+    config.add_argument("--max-tokens", type=int,
+                        help="most tokens in the minibatch diagnose runs (one data-parallel rank's); larger ones "
+                             "are scaled down (default 2048 on cpu, 16384 on cuda)")
+    config.add_argument("--tiny-model", action="store_true",
+                        help="use the embedded tiny Qwen2 even when your model path exists here")
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "diagnose":
-        from .lab.diagnose import DiagnoseError, DiagnoseOptions, format_report, run_diagnose
+#: diagnose options that a training config decides, and the config keys to override instead
+CONFIG_KEYS = {
+    "model": "actor_rollout_ref.model.path (or --tiny-model)",
+    "dtype": "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype",
+    "micro_batches": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu / ppo_max_token_len_per_gpu",
+    "layout": "actor_rollout_ref.actor.use_dynamic_bsz (and rollout.log_prob_use_dynamic_bsz)",
+    "batch_size": "actor_rollout_ref.actor.ppo_mini_batch_size, actor_rollout_ref.rollout.n, trainer.n_gpus_per_node",
+    "prompt_len": "data.max_prompt_length",
+    "response_len": "data.max_response_length",
+    "kl_cov_ratio": "actor_rollout_ref.actor.policy_loss.kl_cov_ratio",
+    "ppo_kl_coef": "actor_rollout_ref.actor.policy_loss.ppo_kl_coef",
+    "clip_cov_ratio": "actor_rollout_ref.actor.policy_loss.clip_cov_ratio",
+    "clip_cov_lb": "actor_rollout_ref.actor.policy_loss.clip_cov_lb",
+    "clip_cov_ub": "actor_rollout_ref.actor.policy_loss.clip_cov_ub",
+    "clip_cov_seed": "actor_rollout_ref.actor.policy_loss.clip_cov_seed",
+    "strategy": "actor_rollout_ref.actor.strategy",
+}
+_CONFIG_ONLY = ("config_path", "overrides", "max_tokens", "tiny_model")
 
-        options = DiagnoseOptions(**{k: v for k, v in vars(args).items() if k != "command"})
-        try:
-            report = run_diagnose(options)
-        except DiagnoseError as error:
-            print(f"verl-klcov-global diagnose: error: {error}", file=sys.stderr)
-            return 2
-        print(format_report(report))
-        return 0 if report["invariant"] else 1
+
+def _add_suppressed(parser: argparse.ArgumentParser, *names: str, **kwargs):
+    """An option whose absence leaves no attribute (DiagnoseOptions holds the defaults the help states)."""
+    return parser.add_argument(*names, default=argparse.SUPPRESS, **kwargs)
+
+
+def _option_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _usage_errors(given: dict) -> list[str]:
+    if given.get("config_name"):
+        return [f"{_option_name(dest)} comes from your training config with --config-name; override "
+                f"{CONFIG_KEYS[dest]} instead" for dest in CONFIG_KEYS if dest in given]
+    return [f"Hydra overrides {' '.join(given[dest])} only apply with --config-name" if dest == "overrides"
+            else f"{_option_name(dest)} only applies with --config-name" for dest in _CONFIG_ONLY if given.get(dest)]
+
+
+def _diagnose(given: dict) -> int:
+    from .lab.diagnose import DiagnoseError, DiagnoseOptions, format_report, run_diagnose
+
+    try:
+        errors = _usage_errors(given)
+        if errors:
+            raise DiagnoseError("; ".join(errors))
+        extra = None
+        if given.get("config_name"):
+            from .lab.user_config import plan_for
+
+            plan = plan_for(given.get("config_path"), given["config_name"], given.get("overrides") or [],
+                            max_tokens=given.get("max_tokens"), device=given.get("device"),
+                            tiny_model=bool(given.get("tiny_model")), blocks=given.get("blocks"),
+                            seed=given.get("seed", 0), loss_mode=given.get("loss_mode"),
+                            json_path=given.get("json_path"))
+            options, extra = plan.options, plan.to_json()
+        else:
+            options = DiagnoseOptions(**{k: v for k, v in given.items() if k not in ("config_name",) + _CONFIG_ONLY})
+        report = run_diagnose(options, extra=extra)
+    except DiagnoseError as error:
+        print(f"verl-klcov-global diagnose: error: {error}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    return 0 if report["invariant"] else 1
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    # Hydra overrides may come between options (as on a main_ppo command line); argparse stops
+    # collecting a positional list at the first option, so gather the rest here.
+    args, rest = parser.parse_known_args(argv)
+    unknown = [arg for arg in rest if arg.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if rest:
+        args.overrides = list(getattr(args, "overrides", [])) + rest
+    if args.command == "diagnose":
+        return _diagnose({k: v for k, v in vars(args).items() if k != "command"})
     return 2  # pragma: no cover - argparse requires a command
 
 

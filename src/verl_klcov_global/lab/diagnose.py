@@ -59,6 +59,31 @@ class DiagnoseOptions:
     clip_cov_lb: float = 0.3
     clip_cov_ub: float = 5.0
     clip_cov_seed: int = 0
+    # Set by ``--config-name`` (lab/user_config.py); the defaults are diagnose's own behaviour.
+    #: the N-micro-batch layout given directly (static: sequences per micro-batch; dynamic: token
+    #: budget) instead of derived from ``micro_batches``, which then only names it
+    micro_batch_size_per_gpu: Optional[int] = None
+    max_token_len_per_gpu: Optional[int] = None
+    #: log-prob inference layout (the prepass's default layout); None: 16 / max(4096, one sequence)
+    infer_micro_batch_size_per_gpu: Optional[int] = None
+    infer_max_token_len_per_gpu: Optional[int] = None
+    use_remove_padding: bool = False
+    gradient_checkpointing: bool = False
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None
+    #: PPO clip range (verl's actor fields); None: verl's FSDPActorConfig default
+    clip_ratio: Optional[float] = None
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: Optional[float] = None
+    prepass_layout: str = "infer"
+    #: also run kl_cov_global with the other prepass layout (``kl_cov_global[prepass=train]``) when
+    #: ``prepass_layout`` is infer; ``--config-name`` runs only the config's layout
+    compare_prepass_layouts: bool = True
+
+    @property
+    def explicit_layout(self) -> bool:
+        return self.micro_batch_size_per_gpu is not None or self.max_token_len_per_gpu is not None
 
 
 def validate(options: DiagnoseOptions) -> DiagnoseOptions:
@@ -98,7 +123,7 @@ def validate(options: DiagnoseOptions) -> DiagnoseOptions:
     for name in ("batch_size", "prompt_len", "response_len"):
         if getattr(options, name) < 1:
             raise DiagnoseError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
-    if options.micro_batches < 2:
+    if options.micro_batches < (1 if options.explicit_layout else 2):
         raise DiagnoseError(
             f"--micro-batches must be >= 2 (it is compared with 1 micro-batch), got {options.micro_batches}"
         )
@@ -109,7 +134,11 @@ def validate(options: DiagnoseOptions) -> DiagnoseOptions:
         )
     if options.layout not in ("dynamic", "static"):
         raise DiagnoseError(f"--layout must be dynamic or static, got {options.layout!r}")
-    if options.layout == "static" and options.batch_size % options.micro_batches:
+    if options.layout == "static" and options.micro_batch_size_per_gpu is not None:
+        if options.batch_size % options.micro_batch_size_per_gpu:
+            raise DiagnoseError(f"micro_batch_size_per_gpu {options.micro_batch_size_per_gpu} does not divide the "
+                                f"{options.batch_size} sequences")
+    elif options.layout == "static" and options.batch_size % options.micro_batches:
         raise DiagnoseError(
             f"--layout static needs --micro-batches to divide --batch-size ({options.batch_size}); "
             f"got {options.micro_batches}. Use --layout dynamic or another count"
@@ -117,6 +146,7 @@ def validate(options: DiagnoseOptions) -> DiagnoseOptions:
     try:
         validate_kl_cov_ratio(options.kl_cov_ratio)
         validate_ppo_kl_coef(options.ppo_kl_coef)
+        _actor_config(options, "kl_cov_global")  # the actor fields (clip range, aggregation, prepass layout)
     except ValueError as error:
         raise DiagnoseError(str(error)) from None
     if options.json_path is not None:
@@ -168,14 +198,54 @@ def _clip_cov_policy_loss(options: DiagnoseOptions, mode: str):
     return PolicyLossConfig(loss_mode=mode, **knobs)
 
 
-def run_diagnose(options: DiagnoseOptions, progress=_progress) -> dict:
-    """Run the experiment; return the report (also written to ``options.json_path`` when set)."""
+def _actor_config(options: DiagnoseOptions, mode: str):
+    """verl's FSDPActorConfig of ``mode`` with the options' loss knobs, aggregation and clip range."""
+    from . import tiny as _tiny
+    from ..config import KLCovGlobalPolicyLossConfig
+    from .experiment import TRAIN_LAYOUT_MODE
+
+    actor = {name: getattr(options, name) for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high",
+                                                       "clip_ratio_c", "loss_scale_factor")
+             if getattr(options, name) is not None}
+    actor["loss_agg_mode"] = options.loss_agg_mode
+    if mode in (TRAIN_LAYOUT_MODE, "kl_cov_global"):
+        layout = "train" if mode == TRAIN_LAYOUT_MODE else options.prepass_layout
+        policy_loss = KLCovGlobalPolicyLossConfig(
+            kl_cov_ratio=options.kl_cov_ratio, ppo_kl_coef=options.ppo_kl_coef, prepass_layout=layout
+        )
+        return _tiny.make_actor_config(policy_loss=policy_loss, **actor)
+    if mode.startswith("clip_cov"):
+        return _tiny.make_actor_config(policy_loss=_clip_cov_policy_loss(options, mode), **actor)
+    return _tiny.make_actor_config(loss_mode=mode, kl_cov_ratio=options.kl_cov_ratio,
+                                   ppo_kl_coef=options.ppo_kl_coef, **actor)
+
+
+def layouts_of(options: DiagnoseOptions):
+    """(1 micro-batch, N micro-batches) for the options: derived from ``micro_batches``, or given directly."""
+    from .experiment import MicroBatchLayout, dynamic_layouts, static_layouts
+
+    seq_len = options.prompt_len + options.response_len
+    name = f"{options.micro_batches} micro-batch" + ("es" if options.micro_batches != 1 else "")
+    if options.layout == "dynamic" and options.max_token_len_per_gpu is not None:
+        return (MicroBatchLayout("1 micro-batch", True, max_token_len_per_gpu=options.batch_size * seq_len),
+                MicroBatchLayout(name, True, max_token_len_per_gpu=options.max_token_len_per_gpu))
+    if options.layout == "static" and options.micro_batch_size_per_gpu is not None:
+        return (MicroBatchLayout("1 micro-batch", False, micro_batch_size_per_gpu=options.batch_size),
+                MicroBatchLayout(name, False, micro_batch_size_per_gpu=options.micro_batch_size_per_gpu))
+    if options.layout == "dynamic":
+        return dynamic_layouts(options.batch_size, seq_len, options.micro_batches)
+    return static_layouts(options.batch_size, options.micro_batches)
+
+
+def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[dict] = None) -> dict:
+    """Run the experiment; return the report (also written to ``options.json_path`` when set).
+
+    ``extra``: more report keys, e.g. ``--config-name``'s settings table (``lab/user_config.py``).
+    """
     import torch
 
     from . import tiny as _tiny
-    from ..config import KLCovGlobalPolicyLossConfig
-    from .experiment import TRAIN_LAYOUT_MODE, EngineSpec, compared_modes, dynamic_layouts, frozen_minibatch
-    from .experiment import run_block, static_layouts
+    from .experiment import TRAIN_LAYOUT_MODE, EngineSpec, compared_modes, frozen_minibatch, run_block
 
     options = validate(options)
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -185,26 +255,20 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress) -> dict:
             model_path = options.model or _tiny.build_tiny_model(os.path.join(scratch, "tiny"), seed=options.seed)
         vocab_size = _vocab_size(model_path)
         seq_len = options.prompt_len + options.response_len
-        spec = EngineSpec(model_path, strategy=options.strategy, dtype=options.dtype, device=device,
-                          infer_max_token_len_per_gpu=max(4096, seq_len))
-        if options.layout == "dynamic":
-            layouts = dynamic_layouts(options.batch_size, seq_len, options.micro_batches)
-        else:
-            layouts = static_layouts(options.batch_size, options.micro_batches)
+        spec = EngineSpec(
+            model_path, strategy=options.strategy, dtype=options.dtype, device=device,
+            use_remove_padding=options.use_remove_padding, gradient_checkpointing=options.gradient_checkpointing,
+            infer_micro_batch_size_per_gpu=options.infer_micro_batch_size_per_gpu or 16,
+            infer_max_token_len_per_gpu=options.infer_max_token_len_per_gpu or max(4096, seq_len),
+        )
+        layouts = layouts_of(options)
 
         def actor_config_for(mode):
-            if mode == TRAIN_LAYOUT_MODE:
-                policy_loss = KLCovGlobalPolicyLossConfig(
-                    kl_cov_ratio=options.kl_cov_ratio, ppo_kl_coef=options.ppo_kl_coef, prepass_layout="train"
-                )
-                return _tiny.make_actor_config(policy_loss=policy_loss)
-            if mode.startswith("clip_cov"):
-                return _tiny.make_actor_config(policy_loss=_clip_cov_policy_loss(options, mode))
-            return _tiny.make_actor_config(
-                loss_mode=mode, kl_cov_ratio=options.kl_cov_ratio, ppo_kl_coef=options.ppo_kl_coef
-            )
+            return _actor_config(options, mode)
 
         modes = tuple(dict.fromkeys(m for g in global_modes_of(options) for m in compared_modes(g)))
+        if options.prepass_layout == "train" or not options.compare_prepass_layouts:
+            modes = tuple(m for m in modes if m != TRAIN_LAYOUT_MODE)
         repeat_modes = tuple(m for m in modes if m.startswith("clip_cov"))
         updates = 2 * len(modes) + len(repeat_modes)
 
@@ -230,6 +294,7 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress) -> dict:
             blocks.append({mode: asdict(result) for mode, result in results.items()})
     report = summarise(options, device, [layout.name for layout in layouts], blocks)
     report["seconds"] = round(time.perf_counter() - started, 1)
+    report.update(extra or {})
     if options.json_path:
         _write_json_atomically(options.json_path, report)
     return report
@@ -285,6 +350,8 @@ def summarise(options: DiagnoseOptions, device: str, layout_names: list[str], bl
         if "repeat_ratio_to_control" in figures:
             text += f", run again with another RNG state within {repeat_worst:.2f}x"
         upstream = upstream_mode(mode)
+        if not any(any(pair) for pair in figures["selected_per_layout"]):
+            text += " (vacuous: it selected no token, so there was nothing to compare)"
         if upstream in modes:
             text += f"; {upstream} differs by up to {max(modes[upstream]['ratio_to_control']):.3g}x"
             if "repeat_ratio_to_control" in modes[upstream]:
@@ -306,13 +373,45 @@ def _ratio_text(ratio: float) -> str:
     return f"{ratio:.2f}" if ratio < 10 else f"{ratio:.0f}"
 
 
+def _value_text(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def format_settings(report: dict) -> list[str]:
+    """``--config-name``'s summary: the config, every setting used with its source, how the shape was scaled."""
+    config = report["config"]
+    overrides = " ".join(config["overrides"]) or "none"
+    lines = [f"config: {config['name']} from {config['path']} | overrides: {overrides}", ""]
+    rows = [("setting", "used", "yours (if other)", "from", "key / note")]
+    for setting in report["settings"]:
+        used = _value_text(setting["value"])
+        if setting["name"] == "model" and setting["value"] is None:
+            used = "embedded tiny Qwen2"
+        yours = "" if setting["yours"] is None else _value_text(setting["yours"])
+        where = " | ".join(x for x in (setting["key"] and setting["key"].replace("actor_rollout_ref.", ""),
+                                       setting["note"]) if x)
+        rows.append((setting["name"], used, yours, setting["source"], where))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines += ["  ".join(f"{cell:<{width}}" for cell, width in zip(row, widths)) + "  " + row[4] for row in rows]
+    lines = [line.rstrip() for line in lines]
+    lines += ["", f"shape: {report['scaling']['text']}"]
+    lines += [f"note: {note}" for note in report["notes"]]
+    return lines + [""]
+
+
 def format_report(report: dict) -> str:
-    """The table a person reads at a glance."""
+    """The table a person reads at a glance (after ``--config-name``'s settings summary, when there is one)."""
     options = report["options"]
     first, second = report["layouts"]
-    lines = [
+    lines = format_settings(report) if "settings" in report else []
+    lines += [
         f"model: {options['model'] or 'embedded tiny Qwen2 (built locally)'} | device {report['device']} | "
-        f"{options['dtype']} | {options['strategy']} | {options['layout']} micro-batches",
+        f"{options['dtype']} | {options['strategy']} | {options['layout']} micro-batches"
+        + (" | remove padding" if options.get("use_remove_padding") else ""),
         f"minibatch: {options['batch_size']} x ({options['prompt_len']} prompt + {options['response_len']} response) "
         f"tokens | kl_cov_ratio {options['kl_cov_ratio']} | ppo_kl_coef {options['ppo_kl_coef']} | "
         f"clip_cov ratio {options['clip_cov_ratio']}, window ({options['clip_cov_lb']}, {options['clip_cov_ub']}), "

@@ -106,6 +106,7 @@ class EngineSpec:
     strategy: str = "fsdp"
     dtype: str = "fp32"
     use_remove_padding: bool = False
+    gradient_checkpointing: bool = False
     lr: float = 0.02
     clip_grad: float = 0.05
     infer_micro_batch_size_per_gpu: int = 16
@@ -115,7 +116,7 @@ class EngineSpec:
     def build(self):
         return _cpu.build_fsdp_engine(
             self.model_path, strategy=self.strategy, dtype=self.dtype, lr=self.lr, clip_grad=self.clip_grad,
-            use_remove_padding=self.use_remove_padding,
+            use_remove_padding=self.use_remove_padding, gradient_checkpointing=self.gradient_checkpointing,
             infer_micro_batch_size_per_gpu=self.infer_micro_batch_size_per_gpu,
             infer_max_token_len_per_gpu=self.infer_max_token_len_per_gpu, device=self.device,
         )

@@ -1,0 +1,225 @@
+"""``diagnose --config-name``: composing the user's verl config, the settings and their sources, errors.
+
+Composition tests are fast (Hydra only); one test runs the experiment (real FSDP engine, slow).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+import pytest
+
+from verl_klcov_global import cli
+from verl_klcov_global.lab.diagnose import DiagnoseError
+from verl_klcov_global.lab.user_config import DEFAULT_MAX_TOKENS, SOURCE_CONFIG_DIR, Shape, plan_for, scale_shape
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A user's config as verl's docs suggest writing one: verl's ppo_trainer plus their own values.
+USER_YAML = textwrap.dedent("""\
+    hydra:
+      searchpath:
+        - pkg://verl.trainer.config
+    defaults:
+      - ppo_trainer
+      - _self_
+    data:
+      max_prompt_length: 256
+      max_response_length: 768
+    trainer:
+      n_gpus_per_node: 4
+    actor_rollout_ref:
+      model:
+        path: {model}
+        use_remove_padding: false
+      rollout:
+        n: 4
+      actor:
+        ppo_mini_batch_size: 64
+        use_dynamic_bsz: true
+        ppo_max_token_len_per_gpu: 8192
+        loss_agg_mode: seq-mean-token-mean
+        clip_ratio_high: 0.28
+        fsdp_config:
+          mixed_precision:
+            param_dtype: fp32
+        policy_loss:
+          loss_mode: kl_cov
+          kl_cov_ratio: 0.002
+    """)
+
+
+def write_user_config(folder, model="/nonexistent/model", name="my_grpo"):
+    (folder / f"{name}.yaml").write_text(USER_YAML.format(model=model))
+    return str(folder)
+
+
+def by_name(plan):
+    return {setting.name: setting for setting in plan.settings}
+
+
+def test_user_config_with_overrides_gives_its_settings_and_sources(tmp_path):
+    overrides = ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048",
+                 "actor_rollout_ref.actor.policy_loss.ppo_kl_coef=0.5"]
+    plan = plan_for(write_user_config(tmp_path), "my_grpo", overrides, device="cpu", max_tokens=4096)
+    options, settings = plan.options, by_name(plan)
+
+    # per DP rank: 64 prompts x n 4 / 4 GPUs = 64 sequences of 256 + 768 tokens; 2048-token budget -> 32 micro-batches
+    assert plan.scaling["full"] == {"sequences": 64, "prompt_len": 256, "response_len": 768}
+    assert plan.scaling["micro_batches"] == 32
+    # 65,536 tokens > 4096: lengths / 16 (16 + 48), sequences kept; the budget scaled to keep 32 micro-batches
+    assert (options.batch_size, options.prompt_len, options.response_len) == (64, 16, 48)
+    assert options.layout == "dynamic" and options.micro_batches == 32 and options.max_token_len_per_gpu == 128
+    assert options.infer_max_token_len_per_gpu == 128  # log-prob budget follows the actor's (ppo_trainer interpolates)
+    assert (options.dtype, options.strategy, options.use_remove_padding) == ("fp32", "fsdp", False)
+    assert options.loss_agg_mode == "seq-mean-token-mean"
+    assert (options.clip_ratio_high, options.clip_ratio_low) == (0.28, 0.2)
+    assert (options.kl_cov_ratio, options.ppo_kl_coef, options.loss_mode) == (0.002, 0.5, "kl_cov_global")
+    assert options.model is None  # /nonexistent/model: the embedded tiny model, said plainly
+    assert any("/nonexistent/model" in note and "embedded tiny Qwen2" in note for note in plan.notes)
+
+    assert settings["kl_cov_ratio"].source == "config"
+    assert settings["ppo_kl_coef"].source == "override"
+    assert settings["ppo_max_token_len_per_gpu"].source == "override"
+    assert settings["ppo_max_token_len_per_gpu"].yours == 2048 and settings["ppo_max_token_len_per_gpu"].value == 128
+    assert settings["log_prob_max_token_len_per_gpu"].source == (
+        "override (via actor_rollout_ref.actor.ppo_max_token_len_per_gpu)")
+    assert settings["clip_cov_seed"].source == "diagnose default"  # verl's PolicyLossConfig has no such key
+    assert settings["model"].source == "diagnose default"
+    assert settings["minibatch per DP rank"].yours == "64 x (256 + 768) = 65,536 tokens"
+    assert "lengths x0.0625 to 16 + 48" in plan.scaling["text"] and "keep 32 micro-batches" in plan.scaling["text"]
+    assert plan.config == {"name": "my_grpo", "path": str(tmp_path), "overrides": overrides}
+
+
+def test_a_local_model_path_is_used_and_fits_without_scaling(tmp_path, tiny_model_path):
+    overrides = ["data.max_prompt_length=16", "data.max_response_length=48", "trainer.n_gpus_per_node=1",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.use_dynamic_bsz=false",
+                 "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"]
+    plan = plan_for(write_user_config(tmp_path, model=tiny_model_path), "my_grpo", overrides, device="cpu",
+                    max_tokens=4096)
+    options = plan.options
+    assert options.model == tiny_model_path and by_name(plan)["model"].source == "config"
+    assert not plan.scaling["scaled"] and "not scaled" in plan.scaling["text"]
+    assert (options.batch_size, options.layout, options.micro_batch_size_per_gpu) == (16, "static", 4)
+    assert (options.micro_batches, options.infer_micro_batch_size_per_gpu) == (4, 8)  # used literally
+    assert plan_for(str(tmp_path), "my_grpo", overrides, device="cpu", tiny_model=True).options.model is None
+
+
+def test_plugin_config_found_from_the_repository_root_and_elsewhere(monkeypatch, tmp_path):
+    monkeypatch.chdir(REPO)
+    plan = plan_for(None, "kl_cov_global", [], device="cpu")
+    assert plan.config["path"] == os.path.join(REPO, "configs")
+    monkeypatch.chdir(tmp_path)  # no ./configs here: the plugin's source checkout
+    assert plan_for(None, "clip_cov_global", [], device="cpu").config["path"] == SOURCE_CONFIG_DIR
+    # verl's own config, as main_ppo without --config-path; its loss_mode vanilla -> every plugin mode
+    plan = plan_for(None, "ppo_trainer", [], device="cpu")
+    assert plan.config["path"] == "pkg://verl.trainer.config" and plan.options.loss_mode == "all"
+
+
+def test_plugin_config_with_no_overrides_is_planned_with_its_gaps_said(monkeypatch):
+    monkeypatch.chdir(REPO)
+    plan = plan_for(None, "kl_cov_global", [], device="cpu")
+    options, settings = plan.options, by_name(plan)
+    assert options.loss_mode == "kl_cov_global" and options.prepass_layout == "infer"
+    assert (options.dtype, options.use_remove_padding, options.gradient_checkpointing) == ("bf16", True, True)
+    # ppo_trainer leaves ppo_micro_batch_size_per_gpu null: a diagnose default, said in a note
+    assert settings["ppo_micro_batch_size_per_gpu"].source == "diagnose default"
+    assert any("ppo_micro_batch_size_per_gpu is null" in note for note in plan.notes)
+    assert options.batch_size * (options.prompt_len + options.response_len) <= DEFAULT_MAX_TOKENS["cpu"]
+
+
+def test_megatron_goes_on_with_fsdp2_and_says_so(monkeypatch):
+    monkeypatch.chdir(REPO)
+    plan = plan_for(None, "kl_cov_global", ["actor_rollout_ref.actor.strategy=megatron"], device="cpu")
+    assert plan.options.strategy == "fsdp2" and by_name(plan)["strategy"].yours == "megatron"
+    assert any("megatron" in note and "fsdp2" in note for note in plan.notes)
+
+
+def test_scaling_keeps_the_micro_batch_count_or_refuses():
+    assert scale_shape(Shape(32, 512, 512), 8, 4096) == Shape(32, 64, 64)
+    assert scale_shape(Shape(256, 64, 64), 8, 4096) == Shape(168, 8, 16)  # lengths at the minimum, then sequences
+    assert scale_shape(Shape(8, 8, 16), 8, 4096) == Shape(8, 8, 16)
+    with pytest.raises(DiagnoseError, match="raise --max-tokens to at least 192"):
+        scale_shape(Shape(64, 512, 512), 8, 100)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config-path", "/nonexistent/dir", "--config-name", "x"],
+     "--config-path '/nonexistent/dir': no such directory"),
+    (["--config-name", "no_such_config"], "no_such_config"),
+    (["--config-name", "kl_cov_global", "actor_rollout_ref.actor.no_such_key=1"],
+     "To append to your config use +actor_rollout_ref.actor.no_such_key=1"),
+    (["--config-name", "kl_cov_global", "actor_rollout_ref.actor.ppo_epochs=${"], "cannot parse the Hydra overrides"),
+    (["--config-name", "kl_cov_global", "data.max_prompt_length=${no.such.key}"], "Interpolation key 'no.such.key'"),
+    (["--config-name", "kl_cov_global", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"],
+     "does not divide the 32 sequences"),
+    (["--config-name", "kl_cov_global", "--micro-batches", "4"],
+     "--micro-batches comes from your training config with --config-name; override"),
+    (["actor_rollout_ref.actor.ppo_epochs=2"], "Hydra overrides actor_rollout_ref.actor.ppo_epochs=2 only apply"),
+    (["--max-tokens", "100"], "--max-tokens only applies with --config-name"),
+])
+def test_unreadable_configs_and_misused_options_fail_clearly(monkeypatch, tmp_path, capfd, args, message):
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "report.json"
+    assert cli.main(["diagnose", *args, "--json", str(out)]) == 2
+    err = capfd.readouterr().err
+    assert message in err and "[block" not in err  # rejected before any work
+    assert not out.exists()
+
+
+def test_broken_yaml_fails_clearly(tmp_path, capfd):
+    (tmp_path / "broken.yaml").write_text("defaults: [ppo_trainer\nactor_rollout_ref: {\n")
+    assert cli.main(["diagnose", "--config-path", str(tmp_path), "--config-name", "broken"]) == 2
+    assert "cannot compose config 'broken'" in capfd.readouterr().err
+
+
+def _small_run(tmp_path, budget: int) -> dict:
+    """The plugin's config, shrunk to 16 x (16 + 48) tokens per rank, with a token budget of ``budget``."""
+    out = tmp_path / f"report-{budget}.json"
+    overrides = ["data.max_prompt_length=16", "data.max_response_length=48", "trainer.n_gpus_per_node=1",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                 "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+                 f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+                 "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=1024",
+                 "actor_rollout_ref.model.use_remove_padding=false",
+                 "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32"]
+    code = cli.main(["diagnose", "--config-name", "kl_cov_global", "--blocks", "1", "--device", "cpu",
+                     "--json", str(out), *overrides])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_a_smaller_token_budget_shows_in_the_upstream_column_not_the_global_one(monkeypatch, tmp_path, capfd):
+    monkeypatch.chdir(REPO)
+    reports = {budget: _small_run(tmp_path, budget) for budget in (512, 256)}  # 2 and 4 micro-batches of 1024 tokens
+    stdout = capfd.readouterr().out
+    assert stdout.startswith("config: kl_cov_global from ")  # the summary comes first
+    for budget, micro_batches in ((512, 2), (256, 4)):
+        report = reports[budget]
+        assert report["layouts"] == ["1 micro-batch", f"{micro_batches} micro-batches"]
+        settings = {s["name"]: s for s in report["settings"]}
+        assert settings["ppo_max_token_len_per_gpu"] == {
+            "name": "ppo_max_token_len_per_gpu", "value": budget, "source": "override",
+            "key": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "yours": None, "note": ""}
+        assert report["scaling"]["scaled"] is False
+        # upstream kl_cov: one quota per micro-batch; kl_cov_global: one selection, the same mask
+        assert report["modes"]["kl_cov"]["selected_per_layout"] == [[1, micro_batches]]
+        assert report["modes"]["kl_cov_global"]["selected_per_layout"] == [[1, 1]]
+        assert report["modes"]["kl_cov_global"]["masks_identical"] is True
+        assert report["invariant"] is True
+    assert "clip_cov" not in reports[256]["modes"]  # the config's loss_mode names kl_cov_global only
+
+
+def test_ulysses_folds_into_the_data_parallel_shard_and_its_budget(monkeypatch):
+    monkeypatch.chdir(REPO)
+    plan = plan_for(None, "kl_cov_global", ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], device="cpu")
+    # 8 GPUs / SP 2 = 4 DP ranks of 64 x 1024 tokens; budget 16384 x SP 2 -> 2 micro-batches
+    assert plan.scaling["data_parallel_size"] == 4 and plan.scaling["full"]["sequences"] == 64
+    assert plan.scaling["micro_batches"] == 2 and plan.options.micro_batches == 2
+    assert any("Ulysses sequence parallelism 2" in note for note in plan.notes)
