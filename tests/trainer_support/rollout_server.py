@@ -38,6 +38,12 @@ class RandomTokenServer:
     whatever order the agent loop's requests arrive in. That needs verl's stable request ids
     ``det-<priority>`` (``actor_rollout_ref.rollout.full_determinism=True``); any other request id
     is refused, since a fresh uuid per request would make every run different.
+
+    The legacy trainer numbers the samples of a batch (``priority``), so every request id is unique.
+    verl's v1 trainer passes no priority: all its requests are ``det-0``, and the ``rollout.n``
+    requests of one prompt are identical. The k-th repeat of a (weight version, request id, prompt)
+    gets the key ``<request id>#<k>``: the n responses differ and their set is reproducible; which
+    sample gets which depends on arrival order (and v1 orders groups by random uids anyway).
     """
 
     def __init__(self, vocab_size: int, eos_token_id: Optional[int], response_length: int, seed: int):
@@ -47,6 +53,7 @@ class RandomTokenServer:
         self.seed = seed
         self.generated = 0
         self.global_steps: Optional[int] = None  # weight version, reported like vLLM's server does
+        self.repeats: dict = {}  # (weight version, request id, prompt) -> requests seen
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
                        **unused: Any):
@@ -56,14 +63,20 @@ class RandomTokenServer:
             raise ValueError(f"cpu_random needs verl's stable request ids ('det-<priority>'), got {request_id!r}: "
                              "set actor_rollout_ref.rollout.full_determinism=True")
         limit = min(self.response_length, int(sampling_params.get("max_tokens") or self.response_length))
+        seen = (self.global_steps, str(request_id), tuple(prompt_ids))
+        repeat = self.repeats.get(seen, 0)
+        self.repeats[seen] = repeat + 1
         token_ids = random_responses().random_response(
-            seed=self.seed, weight_version=self.global_steps, request_key=str(request_id),
+            seed=self.seed, weight_version=self.global_steps,
+            request_key=str(request_id) if repeat == 0 else f"{request_id}#{repeat}",
             prompt_ids=prompt_ids, max_tokens=limit, vocab_size=self.vocab_size, eos_token_id=self.eos_token_id)
         self.generated += 1
         return TokenOutput(token_ids=token_ids, stop_reason="completed",
                            extra_fields={"global_steps": self.global_steps})
 
     async def set_global_steps(self, global_steps: int):
+        if global_steps != self.global_steps:
+            self.repeats.clear()  # keyed by weight version: older entries cannot match again
         self.global_steps = global_steps
 
     def generated_count(self) -> int:

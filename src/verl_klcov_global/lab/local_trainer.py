@@ -66,7 +66,11 @@ class RunConfig:
     ppo_epochs: int = 2
     max_prompt_length: int = 32
     max_response_length: int = 24
-    lr: float = 1e-3
+    # SGD, not verl's default AdamW: AdamW divides by sqrt(v), which blows the float noise of near-zero
+    # gradients up to ~lr-sized parameter differences (vanilla's floor ~50x higher here), and a discrete
+    # selection computed on parameters that noisy can flip a near-tie (see lab.trajectory).
+    optimizer: str = "SGD"             # actor.optim.optimizer (torch.optim)
+    lr: float = 0.05
     seed: int = 1
     kl_cov_ratio: float = 0.05
     ppo_kl_coef: float = 1.0
@@ -132,6 +136,7 @@ def trainer_overrides(run: RunConfig, *, model_path: str, train_file: str, out_d
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={run.micro_batch_size}",
         f"actor_rollout_ref.actor.ppo_epochs={run.ppo_epochs}",
+        f"actor_rollout_ref.actor.optim.optimizer={run.optimizer}",
         f"actor_rollout_ref.actor.optim.lr={run.lr}",
         "actor_rollout_ref.actor.use_torch_compile=False",
         "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",

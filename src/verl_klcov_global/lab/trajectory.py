@@ -41,6 +41,7 @@ SELECTION_METRICS = ("quota", "selected", "clipped", "candidates", "valid_tokens
 THRESHOLD_METRIC = "actor/kl_cov/cov_threshold"
 METHODS = {"kl_cov": ("kl_cov", "kl_cov_global"), "clip_cov": ("clip_cov", "clip_cov_global")}
 MICRO_BATCH_SIZES = (1, 4)
+PICTURE_STEPS = 6  # the command's default: longer curves than the test's 3 steps
 
 
 def mbs_runs(base: RunConfig, modes: Sequence[str]) -> list[RunConfig]:
@@ -56,6 +57,11 @@ def dp_runs(base: RunConfig, modes: Sequence[str]) -> list[RunConfig]:
 def param_distance(a: RunResult, b: RunResult) -> list[float]:
     """max |theta_a - theta_b| per weight version 0..steps."""
     return [float((x - y).abs().max()) for x, y in zip(a.params, b.params)]
+
+
+def param_l2_distance(a: RunResult, b: RunResult) -> list[float]:
+    """||theta_a - theta_b||_2 per weight version 0..steps."""
+    return [float((x - y).norm()) for x, y in zip(a.params, b.params)]
 
 
 def metric_differences(a: RunResult, b: RunResult, names: Sequence[str]) -> dict[str, list[float]]:
@@ -74,10 +80,21 @@ def selection_metric_names(result: RunResult) -> list[str]:
     return [prefix + n for n in SELECTION_METRICS if prefix + n in result.metrics[0]]
 
 
+def float32_resolution(a: RunResult, b: RunResult, names: Sequence[str]) -> dict[str, float]:
+    """Per metric, the largest float32 spacing at its logged values: verl computes entropy and grad_norm
+    in float32, so a difference below one spacing cannot show (vanilla's may be exactly 0 there)."""
+    import numpy as np
+
+    return {name: max(float(np.spacing(np.float32(abs(m[name])))) for m in a.metrics + b.metrics)
+            for name in names if all(name in m for m in a.metrics + b.metrics)}
+
+
 def compare_pair(a: RunResult, b: RunResult) -> dict:
     """Step-by-step differences between two runs that differ in one setting."""
     return {
+        "float32_resolution": float32_resolution(a, b, ACTOR_METRICS),
         "param_max_abs_diff": param_distance(a, b),
+        "param_l2_diff": param_l2_distance(a, b),
         "metrics": metric_differences(a, b, ACTOR_METRICS),
         "selection_metrics": metric_differences(a, b, selection_metric_names(a)),
         "threshold": metric_differences(a, b, [THRESHOLD_METRIC]).get(THRESHOLD_METRIC),
@@ -112,8 +129,9 @@ def _ratio(diff: float, floor: float) -> float:
 
 
 def verdict(pairs: dict[str, dict], control: str = "vanilla") -> dict[str, dict]:
-    """Per mode: the largest ratio of its difference to the control's (per metric, max over steps) and
-    whether a global mode is invariant / an upstream mode visibly differs."""
+    """Per mode: the largest ratio of its difference to the control's (per metric, max over steps; for a
+    metric, at least its float32 resolution) and whether a global mode is invariant / an upstream mode
+    visibly differs."""
     floor = pairs[control]
     out = {}
     for mode, pair in pairs.items():
@@ -121,7 +139,9 @@ def verdict(pairs: dict[str, dict], control: str = "vanilla") -> dict[str, dict]
             continue
         ratios = {"params": _ratio(max(pair["param_max_abs_diff"]), max(floor["param_max_abs_diff"]))}
         for name, diffs in pair["metrics"].items():
-            ratios[name] = _ratio(max(diffs), max(floor["metrics"].get(name, [0.0])))
+            # the floor: vanilla's difference, or the metric's float32 resolution where vanilla's is below it
+            control = max(max(floor["metrics"].get(name, [0.0])), pair["float32_resolution"].get(name, 0.0))
+            ratios[name] = _ratio(max(diffs), control)
         selection_identical = all(d == 0.0 for diffs in pair["selection_metrics"].values() for d in diffs)
         worst = max(ratios.values())
         if mode.endswith("_global"):
@@ -205,8 +225,9 @@ def format_report(report: dict) -> str:
 
 
 def plot(report: dict, path: str) -> None:
-    """PNG: per method (row), per quantity (column), the difference between micro-batch sizes 1 and 4 per
-    step, upstream vs global vs vanilla, log scale (an exact 0 is drawn at the bottom and labelled)."""
+    """PNG, one row per method. First column: the policy entropy per step of the four runs (upstream and
+    global, micro-batch size 1 solid, 4 dashed). Other columns: the difference between micro-batch sizes
+    1 and 4 per step, upstream vs global vs vanilla, log scale (an exact 0 is drawn at the bottom)."""
     try:
         import matplotlib
 
@@ -215,46 +236,56 @@ def plot(report: dict, path: str) -> None:
     except ImportError as error:
         raise SystemExit(f"the picture needs matplotlib: pip install 'verl-klcov-global[plot]' ({error})")
 
-    pairs = report["mbs"]["pairs"]
+    pairs, curves = report["mbs"]["pairs"], report["curves"]
+    small, large = report["micro_batch_sizes"]
     methods = [m for m in METHODS if METHODS[m][0] in pairs]
-    columns = [("params", "max |Δθ| after step"), ("actor/pg_loss", "|Δ pg_loss|"),
+    columns = [("params", "max |Δθ| after the step"), ("actor/pg_loss", "|Δ pg_loss|"),
                ("actor/grad_norm", "|Δ grad_norm|"), ("actor/entropy", "|Δ entropy|")]
     floor_value = 1e-13
-    fig, axes = plt.subplots(len(methods), len(columns), figsize=(4.2 * len(columns), 3.4 * len(methods)),
+    n_steps = report["config"]["steps"]
+    fig, axes = plt.subplots(len(methods), 1 + len(columns), figsize=(4.0 * (1 + len(columns)), 3.5 * len(methods)),
                              squeeze=False)
-    style = {"vanilla": dict(color="0.5", ls="--", marker="o", label="vanilla (noise floor)")}
+    colors = {"vanilla": "0.5"}
     for row, method in enumerate(methods):
         upstream, global_ = METHODS[method]
-        style[upstream] = dict(color="tab:red", marker="s", label=f"{upstream} (upstream)")
-        style[global_] = dict(color="tab:blue", marker="^", label=f"{global_} (plugin)")
-        for col, (key, title) in enumerate(columns):
+        colors.update({upstream: "tab:red", global_: "tab:blue"})
+        labels = {"vanilla": "vanilla (noise floor)", upstream: f"{upstream} (upstream)",
+                  global_: f"{global_} (plugin)"}
+        ax = axes[row][0]
+        for mode in (upstream, global_):
+            for mbs, ls, marker in ((small, "-", "o"), (large, "--", "x")):
+                ys = curves[f"{mode}/mbs{mbs}"]["actor/entropy"]
+                ax.plot(range(1, len(ys) + 1), ys, color=colors[mode], ls=ls, marker=marker, ms=5,
+                        label=f"{mode}, micro-batch {mbs}")
+        ax.set_title(f"{method}: policy entropy", fontsize=10)
+        ax.legend(fontsize=7)
+        for col, (key, title) in enumerate(columns, start=1):
             ax = axes[row][col]
             for mode in ("vanilla", upstream, global_):
-                pair = pairs[mode]
-                if key == "params":
-                    ys = pair["param_max_abs_diff"][1:]
-                else:
-                    ys = pair["metrics"].get(key)
-                if ys is None:
-                    continue
-                steps = list(range(1, len(ys) + 1))
-                ax.plot(steps, [max(y, floor_value) for y in ys], **style[mode])
+                ys = pairs[mode]["param_max_abs_diff"][1:] if key == "params" else pairs[mode]["metrics"].get(key)
+                if ys is not None:
+                    ax.plot(range(1, len(ys) + 1), [max(y, floor_value) for y in ys], color=colors[mode],
+                            ls="--" if mode == "vanilla" else "-", marker="o", ms=4, label=labels[mode])
             ax.set_yscale("log")
             ax.set_ylim(bottom=floor_value / 3)
-            ax.set_xticks(range(1, report["config"]["steps"] + 1))
+            ax.set_title(f"{method}: {title}, micro-batch {small} vs {large}", fontsize=10)
+            if col == 1:
+                ax.legend(fontsize=7)
+        for ax in axes[row]:
+            ax.set_xticks(range(1, n_steps + 1))
             ax.set_xlabel("trainer step")
-            ax.set_title(f"{method}: {title}", fontsize=10)
             ax.grid(True, which="major", alpha=0.3)
-            if col == 0:
-                ax.legend(fontsize=8, loc="center right")
     cfg = report["config"]
     fig.suptitle(
-        "Same run, ppo_micro_batch_size_per_gpu 1 vs 4: difference per GRPO step (log scale; "
-        f"bottom = identical)\nverl 0.9.1 trainer loop on CPU, tiny Qwen2, {cfg['prompts_per_step']}x"
-        f"{cfg['responses_per_prompt']} sequences/step, {cfg['prompts_per_step'] // cfg['mini_batch_prompts']} "
-        f"minibatches x {cfg['ppo_epochs']} epochs, AdamW lr {cfg['lr']}", fontsize=11)
+        f"Same GRPO run, ppo_micro_batch_size_per_gpu {small} vs {large}: upstream splits, the plugin does not "
+        "(log scales; bottom = identical)\n"
+        f"verl 0.9.1 trainer loop on CPU, tiny Qwen2, {cfg['prompts_per_step']}x{cfg['responses_per_prompt']} "
+        f"sequences/step, {cfg['prompts_per_step'] // cfg['mini_batch_prompts']} minibatches x {cfg['ppo_epochs']} "
+        f"epochs, {cfg['optimizer']} lr {cfg['lr']}, kl_cov_ratio {cfg['kl_cov_ratio']}, "
+        f"clip_cov ratio {cfg['clip_cov_ratio']} "
+        f"window ({cfg['clip_cov_lb']}, {cfg['clip_cov_ub']})", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -263,7 +294,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--png", help="write the picture here (needs matplotlib)")
     parser.add_argument("--json", help="write the full report here")
-    parser.add_argument("--steps", type=int, default=RunConfig.steps)
+    parser.add_argument("--steps", type=int, default=PICTURE_STEPS, help="GRPO steps per run (default %(default)s)")
     parser.add_argument("--dp", action="store_true", help="also compare 2 data-parallel ranks with 1")
     parser.add_argument("--model", help="a local HF checkpoint (default: the tiny Qwen2, built locally)")
     parser.add_argument("--seed", type=int, default=RunConfig.seed)
