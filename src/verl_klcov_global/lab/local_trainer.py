@@ -261,6 +261,7 @@ class RandomRollout:
         self.max_prompt_length = max_prompt_length
         self.max_response_length = max_response_length
         self.weight_version: Optional[int] = None
+        self.digests: list[str] = []  # per call: a hash of the generated batch's tokens
 
     def generate_sequences(self, gen_batch):
         from verl import DataProto
@@ -305,6 +306,7 @@ class RandomRollout:
         no_media = np.empty(n, dtype=object)
         no_media[:] = [{} for _ in range(n)]  # fit reads every sample's multi_modal_inputs (text-only: empty)
         non_tensor = {"__num_turns__": np.full(n, 2, dtype=np.int32), "multi_modal_inputs": no_media}
+        self.digests.append(_batch_digest(batch["input_ids"]))
         return DataProto.from_dict(tensors=batch, non_tensors=non_tensor,
                                    meta_info={"timing": {}, "reward_extra_keys": []})
 
@@ -378,10 +380,10 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _batch_digest(batch) -> str:
+def _batch_digest(input_ids: torch.Tensor) -> str:
     import hashlib
 
-    return hashlib.sha256(batch.batch["input_ids"].numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(input_ids.numpy().tobytes()).hexdigest()[:16]
 
 
 def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0) -> RunResult:
@@ -422,17 +424,10 @@ def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0
     trainer.teacher_model_manager = None
     trainer.distillation_config = None
 
-    generate = rollout.generate_sequences
-
-    def generate_and_digest(gen_batch):
-        output = generate(gen_batch)
-        result.rollout_digest.append(_batch_digest(output))
-        return output
-
-    rollout.generate_sequences = generate_and_digest
     with _recording_metrics() as records:
         trainer.fit()
     result.metrics = [dict(r) for r in records]
+    result.rollout_digest = list(rollout.digests)
     if len(result.metrics) != run.steps or len(result.params) != run.steps + 1:
         raise RuntimeError(f"{run.label()}: {len(result.metrics)} logged steps and {len(result.params)} weight "
                            f"versions, expected {run.steps} and {run.steps + 1}")
