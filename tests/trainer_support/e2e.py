@@ -55,6 +55,8 @@ def main_ppo_argv(*, model_path: str, train_file: str, out_dir: str, use_v1: boo
         "data.max_prompt_length=32",
         "data.max_response_length=24",
         "data.dataloader_num_workers=0",
+        "data.seed=1",                                           # the shuffling sampler's generator
+        "actor_rollout_ref.rollout.full_determinism=True",       # stable request ids: reproducible rollouts
         f"actor_rollout_ref.model.path={model_path}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.model.use_remove_padding=False",

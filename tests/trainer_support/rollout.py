@@ -13,10 +13,12 @@ rollout name, two registrations, and this module supplies the smallest thing beh
   weight export runs every step, and keeps nothing.
 
 Responses are uniform random token ids (never a special token) of random length in
-``[1, response_length]``, from a generator seeded per request, ended by EOS when shorter than
-the limit. They do not depend on the policy: the tests exercise the trainer's update path, not
-generation quality. ``log_probs`` are not returned: the trainer recomputes old log-probs with the
-actor, as it does for vLLM without ``calculate_log_probs``.
+``[1, response_length]``, ended by EOS when shorter than the limit, a pure function of the rollout
+seed, the weight version, verl's stable request id and the prompt (``lab/random_responses.py``;
+needs ``rollout.full_determinism=True``): two runs with the same seed and data get the same
+rollouts, whichever replica serves a request. They do not depend on the policy: the tests exercise
+the trainer's update path, not generation quality. ``log_probs`` are not returned: the trainer
+recomputes old log-probs with the actor, as it does for vLLM without ``calculate_log_probs``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class RandomTokenReplica(RolloutReplica):
         self._server_handle = (
             ray.remote(RandomTokenServer)
             .options(num_cpus=0, name=server_name(self.replica_rank, self.name_suffix))
-            .remote(vocab_size, eos_token_id, self.config.response_length, self.config.seed + self.replica_rank)
+            .remote(vocab_size, eos_token_id, self.config.response_length, self.config.seed)
         )
         self.servers = [self._server_handle]
         self._server_address = f"cpu-random-{self.replica_rank}{self.name_suffix}"

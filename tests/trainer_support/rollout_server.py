@@ -7,15 +7,44 @@ unpickles this class imports this module first, and ``import verl`` there loads 
 
 from __future__ import annotations
 
-import hashlib
-import random
+import importlib.util
+import os
+import sys
 from typing import Any, Optional
 
-_FIRST_ORDINARY_TOKEN = 3  # _tiny's tokenizer: 0 pad, 1 <|im_start|>, 2 <|im_end|> (EOS)
+_RESPONSES_MODULE = "_verl_klcov_global_random_responses"
+
+
+def random_responses():
+    """``verl_klcov_global/lab/random_responses.py`` loaded from its file: the plugin package is not
+    imported (the end-to-end test proves that only the entry point loads it)."""
+    if _RESPONSES_MODULE not in sys.modules:
+        package = importlib.util.find_spec("verl_klcov_global")
+        if package is None or not package.submodule_search_locations:
+            raise ImportError("verl_klcov_global is not installed: run scripts/setup.sh")
+        path = os.path.join(list(package.submodule_search_locations)[0], "lab", "random_responses.py")
+        spec = importlib.util.spec_from_file_location(_RESPONSES_MODULE, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[_RESPONSES_MODULE] = module
+    return sys.modules[_RESPONSES_MODULE]
 
 
 class RandomTokenServer:
-    """The "inference server" of one replica: a Ray actor answering ``generate`` with random tokens."""
+    """The "inference server" of one replica: a Ray actor answering ``generate`` with random tokens.
+
+    Each response is a pure function of (seed, weight version, request id, prompt ids)
+    (``lab/random_responses.py``), so two runs with the same seed and data get the same rollouts
+    whatever order the agent loop's requests arrive in. That needs verl's stable request ids
+    ``det-<priority>`` (``actor_rollout_ref.rollout.full_determinism=True``); any other request id
+    is refused, since a fresh uuid per request would make every run different.
+
+    The legacy trainer numbers the samples of a batch (``priority``), so every request id is unique.
+    verl's v1 trainer passes no priority: all its requests are ``det-0``, and the ``rollout.n``
+    requests of one prompt are identical. The k-th repeat of a (weight version, request id, prompt)
+    gets the key ``<request id>#<k>``: the n responses differ and their set is reproducible; which
+    sample gets which depends on arrival order (and v1 orders groups by random uids anyway).
+    """
 
     def __init__(self, vocab_size: int, eos_token_id: Optional[int], response_length: int, seed: int):
         self.vocab_size = vocab_size
@@ -24,23 +53,30 @@ class RandomTokenServer:
         self.seed = seed
         self.generated = 0
         self.global_steps: Optional[int] = None  # weight version, reported like vLLM's server does
+        self.repeats: dict = {}  # (weight version, request id, prompt) -> requests seen
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
                        **unused: Any):
         from verl.workers.rollout.replica import TokenOutput
 
+        if not str(request_id).startswith("det-"):
+            raise ValueError(f"cpu_random needs verl's stable request ids ('det-<priority>'), got {request_id!r}: "
+                             "set actor_rollout_ref.rollout.full_determinism=True")
         limit = min(self.response_length, int(sampling_params.get("max_tokens") or self.response_length))
-        digest = hashlib.sha256(f"{self.seed}:{self.generated}:{prompt_ids}".encode()).digest()
-        rng = random.Random(int.from_bytes(digest[:8], "little"))
+        seen = (self.global_steps, str(request_id), tuple(prompt_ids))
+        repeat = self.repeats.get(seen, 0)
+        self.repeats[seen] = repeat + 1
+        token_ids = random_responses().random_response(
+            seed=self.seed, weight_version=self.global_steps,
+            request_key=str(request_id) if repeat == 0 else f"{request_id}#{repeat}",
+            prompt_ids=prompt_ids, max_tokens=limit, vocab_size=self.vocab_size, eos_token_id=self.eos_token_id)
         self.generated += 1
-        length = rng.randint(1, limit)
-        token_ids = [rng.randrange(_FIRST_ORDINARY_TOKEN, self.vocab_size) for _ in range(length)]
-        if length < limit and self.eos_token_id is not None:
-            token_ids[-1] = self.eos_token_id
         return TokenOutput(token_ids=token_ids, stop_reason="completed",
                            extra_fields={"global_steps": self.global_steps})
 
     async def set_global_steps(self, global_steps: int):
+        if global_steps != self.global_steps:
+            self.repeats.clear()  # keyed by weight version: older entries cannot match again
         self.global_steps = global_steps
 
     def generated_count(self) -> int:

@@ -1,0 +1,473 @@
+"""verl 0.9.1's PPO trainer loop (``RayPPOTrainer.fit``) run in-process on CPU, reproducibly.
+
+Why: a ``python -m verl.trainer.main_ppo`` run on a 2-core CPU spends ~2 minutes starting Ray, its
+services and one Python process per worker, and seconds training the tiny model. Comparing many
+configurations (loss modes x micro-batch sizes x DP sizes) that way is too slow, so this module
+keeps everything that decides what a run computes and drops only the process plumbing:
+
+* verl's own driver loop, unmodified: ``RayPPOTrainer.fit`` of the legacy trainer
+  (``trainer/ppo/ray_trainer.py`` ~1405): seeded dataloader (``data.seed``), uid, repeat,
+  ``_balance_batch``, old log-probs, GRPO advantages on the driver, ``_update_actor`` (minibatches,
+  epochs, micro-batches in the worker), verl's metric reduction;
+* verl's own ``ActorRolloutRefWorker(role="actor")`` with its FSDP2 engine, built in this process
+  (world size 1) or in each of ``world_size`` gloo processes (:func:`run_spawned`);
+* the plugin exactly as in production: its hook wraps the engine's ``train_batch``.
+
+Replaced, because they only move data between processes or generate text:
+
+* Ray's worker group -> :class:`LocalWorkerGroup`: the worker methods the legacy trainer calls
+  (``compute_log_prob``, ``update_actor``) with verl's own split / concat of the batch
+  (``single_controller/base/decorator.py``); at world size W every process runs the same driver
+  loop (SPMD: it is deterministic) and the outputs are all-gathered over gloo;
+* the agent loop, rollout servers and reward workers -> :class:`RandomRollout`: reproducible random
+  responses (:mod:`.random_responses`, keyed by weight version and sample index like verl's
+  ``det-<priority>`` request ids) in the agent loop's output layout, scored by a rule reward;
+* the checkpoint engine -> :class:`WeightSync`: records the actor's full parameter vector at every
+  weight version (the rollout ignores weights anyway);
+* the tracking logger -> :class:`MetricsRecorder`, which keeps every step's metrics dict.
+
+Targets verl 0.9.1 (``RayPPOTrainer.__init__/fit``, ``ActorRolloutRefWorker``, decorator helpers);
+a moved seam fails loudly (a missing attribute or a changed signature).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import cpu as _cpu
+from . import random_responses
+
+#: Loss modes a run may use: verl's own and the plugin's.
+LOSS_MODES = ("vanilla", "kl_cov", "kl_cov_global", "clip_cov", "clip_cov_global")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One trainer run: what varies between the runs compared, and the shared sizes.
+
+    ``prompts_per_step x responses_per_prompt`` sequences per trainer step, split into minibatches of
+    ``mini_batch_prompts x responses_per_prompt`` (one optimizer step each) for ``ppo_epochs`` epochs.
+    """
+
+    loss_mode: str = "vanilla"
+    micro_batch_size: int = 4          # actor.ppo_micro_batch_size_per_gpu
+    world_size: int = 1                # data-parallel FSDP ranks
+    steps: int = 3
+    prompts_per_step: int = 4
+    responses_per_prompt: int = 4
+    mini_batch_prompts: int = 2
+    ppo_epochs: int = 2
+    max_prompt_length: int = 32
+    max_response_length: int = 24
+    # SGD, not verl's default AdamW: AdamW divides by sqrt(v), which blows the float noise of near-zero
+    # gradients up to ~lr-sized parameter differences (vanilla's floor ~50x higher here), and a discrete
+    # selection computed on parameters that noisy can flip a near-tie (see lab.trajectory).
+    optimizer: str = "SGD"             # actor.optim.optimizer (torch.optim)
+    lr: float = 0.05
+    seed: int = 1
+    kl_cov_ratio: float = 0.05
+    ppo_kl_coef: float = 1.0
+    clip_cov_ratio: float = 0.02
+    clip_cov_lb: float = 0.3
+    clip_cov_ub: float = 5.0
+
+    def label(self) -> str:
+        return f"{self.loss_mode} mbs={self.micro_batch_size} dp={self.world_size}"
+
+
+@dataclass
+class RunResult:
+    """Per trainer step (1..steps): verl's logged metrics; per weight version (0..steps): parameters."""
+
+    config: RunConfig
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    params: list[torch.Tensor] = field(default_factory=list)   # float64, full vector, sorted HF keys
+    rollout_digest: list[str] = field(default_factory=list)    # per step: hash of the batch's tokens
+
+
+def write_dataset(path: str, n_prompts: int) -> str:
+    """A parquet file of ``n_prompts`` chat prompts in verl's RL dataset format."""
+    import pandas as pd
+
+    rows = [
+        {
+            "data_source": "trajectory_cpu",
+            "prompt": [{"role": "user", "content": f"What is {i} + {i + 1}?"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(2 * i + 1)},
+            "extra_info": {"index": i, "split": "train"},
+        }
+        for i in range(n_prompts)
+    ]
+    pd.DataFrame(rows).to_parquet(path)
+    return path
+
+
+def trainer_overrides(run: RunConfig, *, model_path: str, train_file: str, out_dir: str) -> list[str]:
+    """Hydra overrides of verl's ``ppo_trainer`` config for ``run`` (legacy trainer, GRPO, fp32, sdpa)."""
+    if run.loss_mode not in LOSS_MODES:
+        raise ValueError(f"loss_mode must be one of {LOSS_MODES}, got {run.loss_mode!r}")
+    mini = run.mini_batch_prompts
+    if run.prompts_per_step % mini or (mini * run.responses_per_prompt) % (run.world_size * run.micro_batch_size):
+        raise ValueError(f"{run.label()}: prompts_per_step must be a multiple of mini_batch_prompts and a minibatch "
+                         "(mini_batch_prompts x responses_per_prompt) a multiple of world_size x micro_batch_size")
+    policy = "actor_rollout_ref.actor.policy_loss"
+    return [
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={train_file}",
+        f"data.val_files={train_file}",
+        f"data.train_batch_size={run.prompts_per_step}",
+        f"data.max_prompt_length={run.max_prompt_length}",
+        f"data.max_response_length={run.max_response_length}",
+        "data.dataloader_num_workers=0",
+        f"data.seed={run.seed}",
+        f"actor_rollout_ref.model.path={model_path}",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.model.use_remove_padding=False",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={run.micro_batch_size}",
+        f"actor_rollout_ref.actor.ppo_epochs={run.ppo_epochs}",
+        f"actor_rollout_ref.actor.optim.optimizer={run.optimizer}",
+        f"actor_rollout_ref.actor.optim.lr={run.lr}",
+        "actor_rollout_ref.actor.use_torch_compile=False",
+        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+        f"{policy}.loss_mode={run.loss_mode}",
+        f"{policy}.kl_cov_ratio={run.kl_cov_ratio}",
+        f"{policy}.ppo_kl_coef={run.ppo_kl_coef}",
+        f"{policy}.clip_cov_ratio={run.clip_cov_ratio}",
+        f"{policy}.clip_cov_lb={run.clip_cov_lb}",
+        f"{policy}.clip_cov_ub={run.clip_cov_ub}",
+        f"actor_rollout_ref.rollout.n={run.responses_per_prompt}",
+        "actor_rollout_ref.rollout.full_determinism=True",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.calculate_log_probs=False",
+        f"actor_rollout_ref.rollout.seed={run.seed}",
+        "trainer.use_v1=False",
+        f"trainer.n_gpus_per_node={run.world_size}",
+        "trainer.nnodes=1",
+        "trainer.device=cpu",
+        f"trainer.total_training_steps={run.steps}",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.resume_mode=disable",
+        "trainer.logger=[console]",
+        f"trainer.default_local_dir={os.path.join(out_dir, 'checkpoints')}",
+    ]
+
+
+#: Overrides that differ between the runs compared: applied to a cached composition of the others
+#: (Hydra's compose takes ~2 s a call on the 2-core machine; a run of the tiny model takes a few).
+PER_RUN_KEYS = ("actor_rollout_ref.actor.policy_loss.loss_mode", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                "actor_rollout_ref.actor.ppo_mini_batch_size", "trainer.n_gpus_per_node")
+_COMPOSED: dict = {}
+
+
+def compose_config(overrides: Sequence[str]):
+    """verl's ``ppo_trainer`` config composed by Hydra, as ``main_ppo`` gets it, validated like ``main_ppo``."""
+    import copy
+
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    fixed = tuple(o for o in overrides if o.split("=", 1)[0] not in PER_RUN_KEYS)
+    if fixed not in _COMPOSED:
+        GlobalHydra.instance().clear()
+        with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+            _COMPOSED[fixed] = compose(config_name="ppo_trainer", overrides=list(fixed))
+    config = copy.deepcopy(_COMPOSED[fixed])
+    for override in overrides:
+        key, value = override.split("=", 1)
+        if key in PER_RUN_KEYS:
+            OmegaConf.update(config, key, int(value) if value.isdigit() else value, merge=False)
+    validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    return config
+
+
+# -- the replaced plumbing --------------------------------------------------------------------------------
+
+
+class LocalWorkerGroup:
+    """The legacy trainer's view of its actor worker group, for one in-process worker per gloo rank.
+
+    ``compute_log_prob`` / ``update_actor`` dispatch like verl's ``make_nd_compute_dataproto_dispatch_fn``:
+    the batch is cut into ``world_size`` contiguous chunks with verl's own helper, this rank's worker
+    runs its chunk, and the ranks' outputs are all-gathered and concatenated with verl's own helper.
+    """
+
+    def __init__(self, worker, world_size: int, rank: int):
+        self.worker = worker
+        self.world_size = world_size
+        self.rank = rank
+        # RayPPOTrainer._get_dp_size reads the DP rank of every worker from here (all ranks are DP ranks).
+        self._dispatch_info = {"actor": list(range(world_size))}
+
+    def _call(self, method: str, data):
+        from verl.single_controller.base.decorator import (
+            _concat_data_proto_or_future,
+            _split_args_kwargs_data_proto,
+        )
+
+        if self.world_size == 1:
+            return getattr(self.worker, method)(_as_received(data))
+        (chunks,), _ = _split_args_kwargs_data_proto(self.world_size, data)
+        output = getattr(self.worker, method)(_as_received(chunks[self.rank]))
+        gathered = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, output)
+        return _concat_data_proto_or_future(gathered)
+
+    def compute_log_prob(self, data):
+        return self._call("compute_log_prob", data)
+
+    def update_actor(self, data):
+        return self._call("update_actor", data)
+
+
+def _as_received(data):
+    """What a Ray worker receives: a deserialised copy (unlocked, and the worker's pops do not reach the
+    driver's batch), not the driver's object or a locked chunk view of it."""
+    import pickle
+
+    return pickle.loads(pickle.dumps(data))
+
+
+class RandomRollout:
+    """Stands in for verl's agent loop + reward loop: ``generate_sequences(gen_batch) -> DataProto``.
+
+    Per sample: prompt ids from the tokenizer's chat template (what verl's single-turn agent loop
+    sends), a response from :func:`.random_responses.random_response` keyed by the weight version
+    and the sample's index in the batch (verl's ``det-<priority>``), the rule reward
+    :func:`.random_responses.length_score` of the decoded response at its last token (``rm_scores``).
+    The output has the fields of ``AgentLoopWorker._postprocess`` (prompts left-padded to
+    ``max_prompt_length``, responses right-padded to ``max_response_length``).
+    """
+
+    def __init__(self, tokenizer, *, seed: int, max_prompt_length: int, max_response_length: int):
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.max_prompt_length = max_prompt_length
+        self.max_response_length = max_response_length
+        self.weight_version: Optional[int] = None
+        self.digests: list[str] = []  # per call: a hash of the generated batch's tokens
+
+    def generate_sequences(self, gen_batch):
+        from verl import DataProto
+        from verl.utils.model import compute_position_id_with_mask
+
+        pad = self.tokenizer.pad_token_id
+        rows = []
+        for index, messages in enumerate(gen_batch.non_tensor_batch["raw_prompt"]):
+            prompt = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+            prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
+            if len(prompt) > self.max_prompt_length:
+                raise ValueError(f"prompt of {len(prompt)} tokens > data.max_prompt_length={self.max_prompt_length}")
+            response = random_responses.random_response(
+                seed=self.seed, weight_version=self.weight_version, request_key=f"det-{index}", prompt_ids=prompt,
+                max_tokens=self.max_response_length, vocab_size=len(self.tokenizer),
+                eos_token_id=self.tokenizer.eos_token_id)
+            score = random_responses.length_score(self.tokenizer.decode(response, skip_special_tokens=True))
+            rows.append((prompt, response, score))
+
+        n, p_len, r_len = len(rows), self.max_prompt_length, self.max_response_length
+        prompts = torch.full((n, p_len), pad, dtype=torch.long)
+        responses = torch.full((n, r_len), pad, dtype=torch.long)
+        prompt_mask = torch.zeros(n, p_len, dtype=torch.long)
+        response_mask = torch.zeros(n, r_len, dtype=torch.long)
+        rm_scores = torch.zeros(n, r_len, dtype=torch.float32)
+        for i, (prompt, response, score) in enumerate(rows):
+            prompts[i, p_len - len(prompt):] = torch.tensor(prompt)
+            prompt_mask[i, p_len - len(prompt):] = 1
+            responses[i, : len(response)] = torch.tensor(response)
+            response_mask[i, : len(response)] = 1
+            rm_scores[i, len(response) - 1] = score
+        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+        batch = {
+            "prompts": prompts,
+            "responses": responses,
+            "response_mask": response_mask,
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": compute_position_id_with_mask(attention_mask),
+            "rm_scores": rm_scores,
+        }
+        no_media = np.empty(n, dtype=object)
+        no_media[:] = [{} for _ in range(n)]  # fit reads every sample's multi_modal_inputs (text-only: empty)
+        non_tensor = {"__num_turns__": np.full(n, 2, dtype=np.int32), "multi_modal_inputs": no_media}
+        self.digests.append(_batch_digest(batch["input_ids"]))
+        return DataProto.from_dict(tensors=batch, non_tensors=non_tensor,
+                                   meta_info={"timing": {}, "reward_extra_keys": []})
+
+
+class WeightSync:
+    """Stands in for verl's ``CheckpointEngineManager``: ``update_weights(global_steps)`` after every actor
+    update (and once before training) records the actor's full parameters and tells the rollout the
+    weight version; ``sleep_replicas`` has nothing to do."""
+
+    def __init__(self, worker, rollout: RandomRollout, params: list):
+        self.worker = worker
+        self.rollout = rollout
+        self.params = params
+
+    def update_weights(self, global_steps: int):
+        self.params.append(_cpu.engine_params_flat(self.worker.actor.engine))  # a collective at world size > 1
+        self.rollout.weight_version = global_steps
+
+    def sleep_replicas(self):
+        return None
+
+
+class MetricsRecorder:
+    """Stands in for ``verl.utils.tracking.Tracking`` inside ``fit``: keeps each step's metrics."""
+
+    records: list[dict[str, float]] = []
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def log(self, data: dict, step: int) -> None:
+        MetricsRecorder.records.append({"step": step, **{k: _number(v) for k, v in data.items()}})
+
+    def finish(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _number(value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
+class _ResourcePools:
+    """What ``fit`` asks the resource pool manager: the number of (fake) GPUs, for throughput metrics."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def get_n_gpus(self) -> int:
+        return self.n
+
+
+@contextlib.contextmanager
+def _recording_metrics():
+    import verl.utils.tracking as tracking
+
+    original = tracking.Tracking
+    MetricsRecorder.records = []
+    tracking.Tracking = MetricsRecorder
+    try:
+        yield MetricsRecorder.records
+    finally:
+        tracking.Tracking = original
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _batch_digest(input_ids: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(input_ids.numpy().tobytes()).hexdigest()[:16]
+
+
+def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0) -> RunResult:
+    """One run of ``RayPPOTrainer.fit`` for ``run``; torch.distributed must be initialised with
+    ``run.world_size`` ranks (:func:`run_local` / :func:`run_spawned` do that)."""
+    import verl_klcov_global  # noqa: F401  -- the plugin: losses registered, hook installed
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.trainer.ppo.utils import Role
+    from verl.utils import hf_tokenizer
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    if torch.distributed.get_world_size() != run.world_size:
+        raise RuntimeError(f"{run.label()}: torch.distributed has {torch.distributed.get_world_size()} ranks")
+    n_prompts = run.steps * run.prompts_per_step
+    train_file = os.path.join(work_dir, f"train-{n_prompts}.parquet")
+    if rank == 0 and not os.path.exists(train_file):
+        os.makedirs(work_dir, exist_ok=True)
+        write_dataset(train_file, n_prompts=n_prompts)
+    if run.world_size > 1:
+        torch.distributed.barrier()
+    config = compose_config(trainer_overrides(run, model_path=model_path, train_file=train_file, out_dir=work_dir))
+    _seed_everything(run.seed)
+
+    tokenizer = hf_tokenizer(model_path)
+    worker = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
+    worker.init_model()
+    result = RunResult(config=run)
+    rollout = RandomRollout(tokenizer, seed=run.seed, max_prompt_length=run.max_prompt_length,
+                            max_response_length=run.max_response_length)
+    trainer = RayPPOTrainer(config=config, tokenizer=tokenizer,
+                            role_worker_mapping={Role.ActorRollout: ActorRolloutRefWorker},
+                            resource_pool_manager=_ResourcePools(run.world_size), device_name="cpu")
+    # What init_workers would build, in-process (see the module docstring).
+    trainer.actor_rollout_wg = LocalWorkerGroup(worker, run.world_size, rank)
+    trainer.async_rollout_manager = rollout
+    trainer.checkpoint_manager = WeightSync(worker, rollout, result.params)
+    trainer.async_rollout_mode = True
+    trainer.teacher_model_manager = None
+    trainer.distillation_config = None
+
+    with _recording_metrics() as records:
+        trainer.fit()
+    result.metrics = [dict(r) for r in records]
+    result.rollout_digest = list(rollout.digests)
+    if len(result.metrics) != run.steps or len(result.params) != run.steps + 1:
+        raise RuntimeError(f"{run.label()}: {len(result.metrics)} logged steps and {len(result.params)} weight "
+                           f"versions, expected {run.steps} and {run.steps + 1}")
+    del trainer, worker
+    return result
+
+
+def run_local(runs: Sequence[RunConfig], *, model_path: str, work_dir: str, progress=None) -> list[RunResult]:
+    """World-size-1 runs, one after another in this process (one gloo group of size 1 for all)."""
+    _cpu.install_cpu_platform()
+    _cpu.init_process_group_cpu(0, 1)
+    # The tiny model's ops are far too small for intra-op threads: one thread is faster, and much
+    # faster on a shared machine (2 threads on 2 busy cores stall each other).
+    torch.set_num_threads(1)
+    results = []
+    for run in runs:
+        if run.world_size != 1:
+            raise ValueError(f"{run.label()}: run_local runs world size 1 only; use run_spawned")
+        if progress:
+            progress(f"run {run.label()}")
+        results.append(run_trainer(run, model_path=model_path, work_dir=work_dir))
+    return results
+
+
+def _spawned_rank(rank: int, world_size: int, port: int, runs, model_path: str, work_dir: str, quiet: bool):
+    from .diagnose import quiet_verl
+
+    _cpu.install_cpu_platform()
+    _cpu.init_process_group_cpu(rank, world_size, port)
+    with quiet_verl() if quiet else contextlib.nullcontext():
+        results = [run_trainer(run, model_path=model_path, work_dir=work_dir, rank=rank) for run in runs]
+    return results if rank == 0 else None
+
+
+def run_spawned(runs: Sequence[RunConfig], *, model_path: str, work_dir: str, quiet: bool = False) -> list[RunResult]:
+    """Runs of one world size W > 1, one after another in W spawned gloo processes; rank 0's results.
+    ``quiet`` hides verl's chatter in those processes."""
+    sizes = {run.world_size for run in runs}
+    if len(sizes) != 1:
+        raise ValueError(f"run_spawned needs runs of one world size, got {sorted(sizes)}")
+    (world_size,) = sizes
+    return _cpu.spawn(_spawned_rank, world_size, list(runs), model_path, work_dir, quiet)[0]
+
