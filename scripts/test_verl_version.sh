@@ -21,6 +21,7 @@ SUBSET=(
   tests/test_seams.py
   tests/test_loading_routes.py
   tests/test_config.py
+  tests/test_driver.py
   tests/test_loss.py
   tests/test_modes.py
   tests/test_selection.py

@@ -96,7 +96,8 @@ def add_worker_loading(config: DictConfig, mode: str) -> bool:
         return False
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
-        print(f"{MESSAGE_PREFIX}: Ray is already initialised, so verl will not pass its runtime_env to ray.init: "
+        print(f"{MESSAGE_PREFIX}: Ray is already initialised (an existing cluster, or verl 0.8, whose main_ppo "
+              f"validates the config in the TaskRunner), so verl will not pass its runtime_env to ray.init: "
               f"the workers load the plugin only if it is installed there (entry point, verl 0.9) or "
               f"{EXTERNAL_MODULES_ENV}=verl_klcov_global is in their environment.", file=sys.stderr)
     with open_dict(config):
