@@ -38,7 +38,7 @@ from .selection import (
     select_kl_cov_tokens,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CLIP_COV_LOSS_MODE",

@@ -32,11 +32,12 @@ def write_dataset(path: str, n_prompts: int) -> str:
 
 def main_ppo_argv(*, model_path: str, train_file: str, out_dir: str, use_v1: bool, plugin_config: bool,
                   n_workers: int, prompts_per_step: int, responses_per_prompt: int, mini_batch_prompts: int,
-                  ppo_epochs: int, steps: int, kl_cov_ratio: float) -> list[str]:
+                  ppo_epochs: int, steps: int, kl_cov_ratio: float, loss_mode: str = "kl_cov_global") -> list[str]:
     """``python -m verl.trainer.main_ppo ...`` for a GRPO run on CPU with ``loss_mode=kl_cov_global``.
 
     ``plugin_config``: compose ``configs/kl_cov_global.yaml`` (the plugin's config class) instead of
-    verl's own ``ppo_trainer`` with a plain ``loss_mode`` override. Everything else is CPU sizing:
+    verl's own ``ppo_trainer`` with a plain ``loss_mode`` override (``loss_mode``, e.g. ``vanilla``).
+    Everything else is CPU sizing:
     fake Ray GPUs (one FSDP rank each), the ``cpu_random`` rollout, fp32, sdpa, one worker per
     helper pool, console logger, no validation, no checkpoints.
     """
@@ -44,7 +45,7 @@ def main_ppo_argv(*, model_path: str, train_file: str, out_dir: str, use_v1: boo
     if plugin_config:
         argv += [f"--config-path={CONFIG_DIR}", "--config-name=kl_cov_global"]
     else:
-        argv += ["actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global",
+        argv += [f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
                  "actor_rollout_ref.actor.policy_loss.ppo_kl_coef=1.0"]
     return argv + [
         "algorithm.adv_estimator=grpo",
