@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+from verl_klcov_global.lab.local_trainer import write_dataset as lab_write_dataset
+
 from .env import REPO_ROOT
 from .rollout import ROLLOUT_NAME
 
@@ -13,21 +15,8 @@ CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
 
 
 def write_dataset(path: str, n_prompts: int) -> str:
-    """A parquet file of ``n_prompts`` chat prompts in verl's RL dataset format."""
-    import pandas as pd
-
-    rows = [
-        {
-            "data_source": "kl_cov_global_e2e",
-            "prompt": [{"role": "user", "content": f"What is {i} + {i + 1}?"}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(2 * i + 1)},
-            "extra_info": {"index": i, "split": "train"},
-        }
-        for i in range(n_prompts)
-    ]
-    pd.DataFrame(rows).to_parquet(path)
-    return path
+    """A parquet file of ``n_prompts`` chat prompts in verl's RL dataset format (the lab's writer)."""
+    return lab_write_dataset(path, n_prompts, data_source="kl_cov_global_e2e")
 
 
 def main_ppo_argv(*, model_path: str, train_file: str, out_dir: str, use_v1: bool, plugin_config: bool,

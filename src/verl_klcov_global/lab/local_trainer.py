@@ -92,13 +92,13 @@ class RunResult:
     rollout_digest: list[str] = field(default_factory=list)    # per step: hash of the batch's tokens
 
 
-def write_dataset(path: str, n_prompts: int) -> str:
+def write_dataset(path: str, n_prompts: int, data_source: str = "trajectory_cpu") -> str:
     """A parquet file of ``n_prompts`` chat prompts in verl's RL dataset format."""
     import pandas as pd
 
     rows = [
         {
-            "data_source": "trajectory_cpu",
+            "data_source": data_source,
             "prompt": [{"role": "user", "content": f"What is {i} + {i + 1}?"}],
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": str(2 * i + 1)},
