@@ -5,10 +5,10 @@ remove-padding and dynamic batching, on the run's device. Checks:
 
 * ``process group``: the engine's data-parallel group uses NCCL for the device's tensors (gloo in the
   CPU smoke), world size 1, and an all-reduce through it is right;
-* ``device RNG restored`` / ``CPU RNG restored``: ``hook.compute_prepass_log_probs`` on an engine
+* ``device RNG restored`` / ``CPU RNG restored``: ``engine_prepass.compute_prepass_log_probs`` on an engine
   whose ``infer_batch`` first draws from the CPU and the device generators (so the prepass does
   consume random numbers): both states equal their values before the prepass;
-* ``accelerator logits path`` (``CPU logits path`` in the smoke): inside ``hook.batched_logsumexp``
+* ``accelerator logits path`` (``CPU logits path`` in the smoke): inside ``engine_logprobs.batched_logsumexp``
   (PATCH ``prepass_batched_logsumexp``) fp32 no-grad logits on the device take the plugin's batched
   in-place path (verl's ``logprobs_from_logits_v2`` is not called), give the same bits twice, and
   equal verl's loop bit for bit on CPU or within the float32 summation bound on an accelerator (the
@@ -72,7 +72,8 @@ def _check_process_group(phase: Phase, engine) -> None:
 
 
 def _check_rng_restored(phase: Phase, engine, batch) -> None:
-    from verl_klcov_global import hook
+    from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass, step as engine_step
+    from verl_klcov_global import layout
 
     cuda = phase.device == "cuda"
     draws: list[float] = []
@@ -89,7 +90,7 @@ def _check_rng_restored(phase: Phase, engine, batch) -> None:
     engine.infer_batch = consuming_infer_batch
     try:
         with engine.train_mode():
-            hook.compute_prepass_log_probs(engine, batch.copy(), "infer")
+            engine_prepass.compute_prepass_log_probs(engine, batch.copy(), "infer")
     finally:
         del engine.infer_batch  # the instance attribute; the class's method is back
     consumed = len(draws) > 0
@@ -121,7 +122,9 @@ def _check_logits_path(phase: Phase) -> None:
     grad-enabled calls keep verl's loop."""
     import verl.utils.torch_functional as verl_F
 
-    from verl_klcov_global import hook
+    from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass, step as engine_step
+
+    from verl_klcov_global import layout
 
     generator = torch.Generator().manual_seed(0)
     vocab = 97
@@ -139,7 +142,7 @@ def _check_logits_path(phase: Phase) -> None:
         expected = verl_own(logits.clone(), labels)
     verl_F.logprobs_from_logits_v2 = counted
     try:
-        with hook.batched_logsumexp():
+        with engine_logprobs.batched_logsumexp():
             with torch.no_grad():
                 first = verl_F.logprobs_from_logits_v2(logits.clone(), labels)  # the path overwrites its logits
                 again = verl_F.logprobs_from_logits_v2(logits.clone(), labels)
@@ -171,13 +174,14 @@ def _check_prepass_equals_compute_log_prob(phase: Phase, engine, batch) -> torch
     """Two prepasses give the same bits; against verl's compute_log_prob (same minibatch and layout, same
     forward) they are bit-identical on CPU and within :func:`summation_bound` on an accelerator, where the
     batched logsumexp sums in another order than verl's row loop."""
-    from verl_klcov_global import hook
+    from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass, step as engine_step
+    from verl_klcov_global import layout
 
     from .gpu_step import compute_log_prob
 
     with engine.train_mode():
-        prepass = hook.compute_prepass_log_probs(engine, batch.copy(), "infer").float()
-        repeat = hook.compute_prepass_log_probs(engine, batch.copy(), "infer").float()
+        prepass = engine_prepass.compute_prepass_log_probs(engine, batch.copy(), "infer").float()
+        repeat = engine_prepass.compute_prepass_log_probs(engine, batch.copy(), "infer").float()
     deterministic = torch.equal(prepass, repeat)
     phase.check("prepass deterministic", deterministic,
                 f"two prepasses of the same minibatch give {'the same bits' if deterministic else 'DIFFERENT bits'}")
@@ -200,23 +204,25 @@ def _check_prepass_equals_compute_log_prob(phase: Phase, engine, batch) -> torch
 def _check_selection_over_group(phase: Phase, engine, batch, log_probs: torch.Tensor) -> None:
     from verl.workers.utils.losses import ppo_loss
 
-    from verl_klcov_global import hook
+    from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass, step as engine_step
+
+    from verl_klcov_global import layout
     from verl_klcov_global.lab import tiny as _tiny
     from verl_klcov_global.selection import kl_cov_quota, select_kl_cov_tokens
 
     ratio = 0.02
     config = _tiny.make_actor_config(loss_mode="kl_cov_global", kl_cov_ratio=ratio, ppo_kl_coef=1.0)
     results = []
-    with hook.observe_selections(lambda _engine, result: results.append(result)), engine.train_mode():
+    with engine_step.observe_selections(lambda _engine, result: results.append(result)), engine.train_mode():
         output = engine.train_batch(batch.copy(), loss_function=functools.partial(ppo_loss, config=config))
     if len(results) != 1:
         phase.check("selection over the NCCL group" if phase.device == "cuda" else "selection over the gloo group",
                     False, f"expected one prepass selection in the step, saw {len(results)}")
         return
     selection = results[0].selection
-    response_mask = hook.padded(batch["response_mask"])
-    advantages = hook.padded(batch["advantages"]).to(log_probs.device)
-    lp = hook.fit_width(log_probs, response_mask.shape[1])
+    response_mask = layout.padded(batch["response_mask"])
+    advantages = layout.padded(batch["advantages"]).to(log_probs.device)
+    lp = layout.fit_width(log_probs, response_mask.shape[1])
     alone = select_kl_cov_tokens(advantages, lp, response_mask.to(lp.device), ratio, group=None)
     quota = kl_cov_quota(int(response_mask.sum()), ratio)
     same = torch.equal(selection.mask.cpu(), alone.mask.cpu())

@@ -187,7 +187,7 @@ def phase_env(phase: Phase) -> None:
     import torch
 
     import verl_klcov_global  # noqa: F401  (also loaded by VERL_USE_EXTERNAL_MODULES; idempotent)
-    from verl_klcov_global import hook
+    from verl_klcov_global.engine import patches
     from verl_klcov_global.lab.experiment import registered_global_modes, upstream_mode
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
@@ -221,8 +221,8 @@ def phase_env(phase: Phase) -> None:
         if not info["upstream_registered"]:
             phase.note(f"{mode}: verl registers no {info['upstream']!r}; diagnose runs it against the control only "
                        "and the step phase has no ratio for it")
-    phase.check("plugin registered and hook installed", "kl_cov_global" in modes and hook.is_hook_installed(),
-                f"global modes {list(modes)}, hook installed {hook.is_hook_installed()}")
+    phase.check("plugin registered and hook installed", "kl_cov_global" in modes and patches.is_hook_installed(),
+                f"global modes {list(modes)}, hook installed {patches.is_hook_installed()}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ memory from ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`
 * ``compute_log_prob``: verl's actor log-prob pass on the minibatch (:func:`compute_log_prob`);
   its first call is the warm-up and gives the ``old_log_probs`` of the minibatch, as in training;
 * ``prepass``: the plugin's work before verl's step, alone: ``engine.optimizer_zero_grad()`` (the hook
-  frees the gradients first) and ``hook.run_prepass_and_select`` (the no-grad forward in the inference
+  frees the gradients first) and ``engine_prepass.run_prepass_and_select`` (the no-grad forward in the inference
   layout and the selection);
 * ``step <mode>``: one ``engine.train_batch`` (zero_grad, all micro-batches, optimizer step) for verl's
   mode and the plugin's global mode (prepass and selection included), for every global mode whose verl
@@ -41,7 +41,7 @@ from .gpu_check import QWEN25_05B_LIKE, Phase, PhaseBudgetExceeded, progress
 GIB = float(1 << 30)
 _LOGPROB_FUNCTIONS = ("logprobs_from_logits_v2", "logprobs_from_logits_flash_attn", "logprobs_from_logits_torch_npu")
 #: The plugin's batched path (PATCH prepass_batched_logsumexp), counted under this name.
-PLUGIN_BATCHED = "hook.log_probs_in_place"
+PLUGIN_BATCHED = "engine_logprobs.log_probs_in_place"
 
 
 def compute_log_prob(engine, batch, *, calculate_entropy: bool = True) -> torch.Tensor:
@@ -75,7 +75,9 @@ def count_logprob_calls() -> Iterator[Counter]:
     plugin's batched prepass path (:data:`PLUGIN_BATCHED`)."""
     import verl.utils.torch_functional as verl_F
 
-    from verl_klcov_global import hook
+    from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass
+
+    from verl_klcov_global import layout
 
     calls: Counter = Counter()
     targets = [(verl_F, name, name) for name in _LOGPROB_FUNCTIONS if hasattr(verl_F, name)]
@@ -162,7 +164,9 @@ def _observe_attention(phase: Phase, engine, vocab_size: int) -> dict:
     on a 2-sequence minibatch (same kernels as the big one: the same masks, dtypes and dispatch)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from verl_klcov_global import hook
+    from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass
+
+    from verl_klcov_global import layout
     from verl_klcov_global.lab import tiny as _tiny
 
     model = getattr(engine.module, "module", engine.module)
@@ -172,7 +176,7 @@ def _observe_attention(phase: Phase, engine, vocab_size: int) -> dict:
                                  max_token_len_per_gpu=phase.sizes.step_max_token_len)
     wanted = ("scaled_dot_product", "flash", "attention", "log_softmax", "logsumexp", "cross_entropy")
     with engine.train_mode(), profile(activities=[ProfilerActivity.CPU]) as profiler:
-        hook.compute_prepass_log_probs(engine, small, "infer")
+        engine_prepass.compute_prepass_log_probs(engine, small, "infer")
     ops = {event.key: event.count for event in profiler.key_averages()
            if event.key.startswith("aten::") and any(word in event.key for word in wanted)}
     return {"attn_implementation": getattr(config, "_attn_implementation", None), "prepass_aten_ops": ops}
@@ -248,9 +252,10 @@ def _build_engine(phase: Phase, path: str):
 
 
 def _describe_minibatch(batch, sizes) -> dict:
-    from verl_klcov_global import hook
+    from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass
+    from verl_klcov_global import layout
 
-    responses = hook.padded(batch["response_mask"]).sum(1)
+    responses = layout.padded(batch["response_mask"]).sum(1)
     return {
         "sequences": sizes.step_batch, "tokens": int(batch["input_ids"].offsets().diff().sum()),
         "response_tokens": int(responses.sum()), "response_len_min": int(responses.min()),
@@ -262,21 +267,22 @@ def _describe_minibatch(batch, sizes) -> dict:
 
 def _operations(engine, batch, sizes, modes: list[str], figures: Figures) -> dict[str, Callable[[], Any]]:
     """The measured operations by name: compute_log_prob, prepass, and one training step per mode."""
-    from verl_klcov_global import hook
+    from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass
+    from verl_klcov_global import layout
     from verl_klcov_global.lab import tiny as _tiny
-    from verl_klcov_global.config import read_settings
+    from verl_klcov_global.config import read_kl_cov_settings
 
     configs = {mode: _tiny.make_actor_config(loss_mode=mode, kl_cov_ratio=sizes.kl_cov_ratio, ppo_kl_coef=1.0,
                                              ppo_mini_batch_size=sizes.step_batch) for mode in modes}
 
-    settings = read_settings(_tiny.make_actor_config(loss_mode="kl_cov_global", kl_cov_ratio=sizes.kl_cov_ratio,
+    settings = read_kl_cov_settings(_tiny.make_actor_config(loss_mode="kl_cov_global", kl_cov_ratio=sizes.kl_cov_ratio,
                                                      ppo_kl_coef=1.0, ppo_mini_batch_size=sizes.step_batch))
 
     def prepass():
         """The hook's work before verl's step: free the gradients, prepass forward, selection."""
         with engine.train_mode():
             engine.optimizer_zero_grad()
-            return hook.run_prepass_and_select(engine, batch.copy(), settings)
+            return engine_prepass.run_prepass_and_select(engine, batch.copy(), settings)
 
     def train_step(mode: str):
         counter: list = []

@@ -11,11 +11,11 @@ from verl_klcov_global.config import (
     DEFAULT_CLIP_COV_SEED,
     ClipCovGlobalPolicyLossConfig,
     KLCovGlobalPolicyLossConfig,
-    global_loss_mode,
-    is_kl_cov_global,
+    loss_mode_of,
     read_clip_cov_settings,
-    read_settings,
+    read_kl_cov_settings,
 )
+from verl_klcov_global.modes import CLIP_COV, KL_COV, global_mode_of
 
 
 def actor(**policy_loss):
@@ -26,26 +26,26 @@ def actor(**policy_loss):
 @pytest.mark.parametrize("ratio", [0, -1e-4, 1.0001, math.nan, math.inf, -math.inf])
 def test_bad_kl_cov_ratio(ratio):
     with pytest.raises(ValueError, match=r"kl_cov_ratio must be finite and in \(0, 1\].*policy_loss.kl_cov_ratio"):
-        read_settings(actor(kl_cov_ratio=ratio))
+        read_kl_cov_settings(actor(kl_cov_ratio=ratio))
 
 
 @pytest.mark.parametrize("coef", [-0.5, math.nan, math.inf, "x"])
 def test_bad_ppo_kl_coef(coef):
     with pytest.raises(ValueError, match=r"ppo_kl_coef must be finite and >= 0.*policy_loss.ppo_kl_coef"):
-        read_settings(actor(ppo_kl_coef=coef))
+        read_kl_cov_settings(actor(ppo_kl_coef=coef))
 
 
 def test_valid_settings_and_defaults():
-    settings = read_settings(actor(kl_cov_ratio=1.0, ppo_kl_coef=0.0))
+    settings = read_kl_cov_settings(actor(kl_cov_ratio=1.0, ppo_kl_coef=0.0))
     assert (settings.kl_cov_ratio, settings.ppo_kl_coef, settings.prepass_layout) == (1.0, 0.0, "infer")
-    assert is_kl_cov_global(actor())
-    assert not is_kl_cov_global(ActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1,
-                                            rollout_n=1))
+    assert global_mode_of(actor()) is KL_COV
+    assert global_mode_of(ActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1,
+                                      rollout_n=1)) is None
 
 
 def test_plugin_config_dataclass_validates_on_construction():
     config = KLCovGlobalPolicyLossConfig(kl_cov_ratio=0.002, ppo_kl_coef=1.0, prepass_layout="train")
-    assert read_settings(ActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1,
+    assert read_kl_cov_settings(ActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1,
                                      rollout_n=1, policy_loss=config)).prepass_layout == "train"
     with pytest.raises(ValueError, match="prepass_layout must be one of"):
         KLCovGlobalPolicyLossConfig(prepass_layout="micro")
@@ -57,7 +57,7 @@ def test_plugin_config_dataclass_validates_on_construction():
                                        ("ppo_kl_coef", "1.0")])
 def test_kl_cov_knobs_reject_booleans_and_strings(key, value):
     with pytest.raises(ValueError, match=f"{key} must be finite.*policy_loss.{key}"):
-        read_settings(actor(**{key: value}))
+        read_kl_cov_settings(actor(**{key: value}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,8 +75,8 @@ def test_clip_cov_defaults_are_verls_and_the_seed_is_0():
     assert (settings.clip_cov_ratio, settings.clip_cov_lb, settings.clip_cov_ub) == (0.0002, 1.0, 5.0)
     assert (settings.clip_cov_seed, settings.prepass_layout) == (DEFAULT_CLIP_COV_SEED, "infer") == (0, "infer")
     assert (settings.clip_ratio_low, settings.clip_ratio_high) == (0.2, 0.28)
-    assert global_loss_mode(clip_actor()) == "clip_cov_global" and not is_kl_cov_global(clip_actor())
-    assert global_loss_mode(actor()) == "kl_cov_global"
+    assert loss_mode_of(clip_actor()) == "clip_cov_global" and global_mode_of(clip_actor()) is CLIP_COV
+    assert loss_mode_of(actor()) == "kl_cov_global"
 
 
 def test_clip_ratios_fall_back_to_clip_ratio_like_upstream():

@@ -15,7 +15,7 @@ from verl_klcov_global.config import (
     ClipCovGlobalPolicyLossConfig,
     KLCovGlobalPolicyLossConfig,
     read_clip_cov_settings,
-    read_settings,
+    read_kl_cov_settings,
 )
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.sh"))
@@ -57,7 +57,7 @@ def test_example_overrides_compose_and_validate(script):
         assert actor.clip_ratio_c == 10.0
     else:
         assert isinstance(actor.policy_loss, KLCovGlobalPolicyLossConfig)
-        settings = read_settings(actor)
+        settings = read_kl_cov_settings(actor)
         expected_ratio = 0.0002 if "32b" in script.name else 0.002
         assert settings.kl_cov_ratio == expected_ratio and settings.ppo_kl_coef == 1.0
     expected_tokens = 20480 if "32b" in script.name else 30720

@@ -40,7 +40,8 @@ def test_issue_7829_dynamic_micro_batches_kl_cov_varies_kl_cov_global_does_not(t
     global_ratios, kl_cov_ratios = [], []
     for seed in BLOCKS:
         batch = frozen_minibatch(spec, seed, batch_size=BATCH, prompt_len=PROMPT, response_len=RESPONSE)
-        results = run_block(spec, batch, dynamic_layouts(BATCH, SEQ, 8), actor_config_for)
+        results = run_block(spec, batch, dynamic_layouts(BATCH, SEQ, 8), actor_config_for,
+                            modes=("vanilla", "kl_cov", "kl_cov_global"))
         assert_invariant(results, global_ratios)
         kl_cov = results["kl_cov"]
         assert kl_cov.selected_per_layout == (1, 8)  # 8,192 tokens at 0.0002: one quota vs eight

@@ -26,10 +26,15 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import BaseEngine
 from verl.workers.utils.losses import ppo_loss
 
-from verl_klcov_global import hook, plugin
+from verl_klcov_global.engine import patches as engine_patches, prepass as engine_prepass, step as engine_step
+
+from verl_klcov_global import layout
+
+from verl_klcov_global import plugin
 from verl_klcov_global.lab import cpu as _cpu
 from verl_klcov_global.lab import tiny as _tiny
-from verl_klcov_global.config import MASK_KEY, KLCovGlobalPolicyLossConfig, is_kl_cov_global, read_settings
+from verl_klcov_global.config import MASK_FIELD, KLCovGlobalPolicyLossConfig, read_kl_cov_settings
+from verl_klcov_global.modes import KL_COV, global_mode_of
 from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch
 
 ORIGINAL_ATTR = "__verl_klcov_global_original__"
@@ -61,7 +66,7 @@ def restore_hook():
         yield original
     finally:
         BaseEngine.train_batch = original
-        hook.install_hook()
+        engine_patches.install_hook()
         assert getattr(BaseEngine.train_batch, ORIGINAL_ATTR) is original
 
 
@@ -114,20 +119,20 @@ def test_entry_point_installs_the_hook_on_import_verl_in_a_clean_interpreter():
 
 def test_installing_again_is_idempotent(restore_hook):
     original = restore_hook
-    assert hook.is_hook_installed()
+    assert engine_patches.is_hook_installed()
     installed = BaseEngine.train_batch
-    hook.install_hook()
+    engine_patches.install_hook()
     plugin.install()
-    hook.install_hook()
+    engine_patches.install_hook()
     assert BaseEngine.train_batch is installed
     assert getattr(installed, ORIGINAL_ATTR) is original
     assert getattr(original, ORIGINAL_ATTR, None) is None  # one layer, not a wrapper of a wrapper
-    hook.uninstall_hook()
-    assert BaseEngine.train_batch is original and not hook.is_hook_installed()
-    hook.uninstall_hook()  # harmless when not installed
+    engine_patches.uninstall_hook()
+    assert BaseEngine.train_batch is original and not engine_patches.is_hook_installed()
+    engine_patches.uninstall_hook()  # harmless when not installed
     assert BaseEngine.train_batch is original
-    hook.install_hook()
-    hook.install_hook()
+    engine_patches.install_hook()
+    engine_patches.install_hook()
     assert getattr(BaseEngine.train_batch, ORIGINAL_ATTR) is original
 
 
@@ -157,10 +162,10 @@ def test_patch_target_is_what_hook_py_expects(restore_hook):
     def train_batch(self, batch, loss_fn, extra=None):  # a hypothetical future signature
         raise AssertionError("must not be called")
 
-    hook.uninstall_hook()
+    engine_patches.uninstall_hook()
     BaseEngine.train_batch = train_batch
     with pytest.raises(RuntimeError, match=r"BaseEngine\.train_batch.*\['self', 'batch', 'loss_fn', 'extra'\].*verl 0\.8\.0, 0\.9\.1"):
-        hook.install_hook()
+        engine_patches.install_hook()
     assert BaseEngine.train_batch is train_batch
 
 
@@ -217,14 +222,14 @@ def test_other_loss_modes_run_verls_train_batch_untouched(tiny_model_path, froze
     monkeypatch.setattr(hook, "compute_prepass_log_probs", no_prepass)
     loss_function = loss_fn(mode)
     observed, seen_hooked, seen_plain = [], [], []
-    assert hook.is_hook_installed()
-    with hook.observe_selections(lambda engine, result: observed.append(result)):
+    assert engine_patches.is_hook_installed()
+    with engine_step.observe_selections(lambda engine, result: observed.append(result)):
         initial, hooked, output = _train_once(tiny_model_path, frozen_batch, loss_function, seen_hooked)
-    hook.uninstall_hook()
+    engine_patches.uninstall_hook()
     try:
         _, plain, _ = _train_once(tiny_model_path, frozen_batch, loss_function, seen_plain)
     finally:
-        hook.install_hook()
+        engine_patches.install_hook()
     assert observed == []
     assert seen_hooked == [(loss_function, False)]  # one forward-backward, verl's own loss function object
     assert seen_plain == [(loss_function, False)]
@@ -239,7 +244,7 @@ def test_other_loss_modes_run_verls_train_batch_untouched(tiny_model_path, froze
 
 def test_prepass_restores_rng_state_and_module_mode(tiny_model_path, frozen_batch):
     engine = _cpu.build_fsdp_engine(tiny_model_path)
-    settings = read_settings(loss_fn("kl_cov_global").keywords["config"])
+    settings = read_kl_cov_settings(loss_fn("kl_cov_global").keywords["config"])
     real_infer = engine.infer_batch
     modes_during_forward = []
 
@@ -253,7 +258,7 @@ def test_prepass_restores_rng_state_and_module_mode(tiny_model_path, frozen_batc
     for training in (True, False, True):
         engine.module.train(training)
         state = torch.random.get_rng_state()
-        result = hook.run_prepass_and_select(engine, frozen_batch, settings)
+        result = engine_prepass.run_prepass_and_select(engine, frozen_batch, settings, KL_COV)
         assert torch.equal(torch.random.get_rng_state(), state)
         assert engine.module.training is training
         assert all(m.training is training for m in engine.module.modules())
@@ -286,13 +291,13 @@ def test_prepass_with_dropout_model_draws_nothing_and_is_deterministic(tiny_mode
 
     # the prepass: no draw, deterministic, the eval-mode log-probs, train mode restored
     state = torch.random.get_rng_state()
-    prepass = [hook.compute_prepass_log_probs(engine, frozen_batch, "infer") for _ in range(2)]
+    prepass = [engine_prepass.compute_prepass_log_probs(engine, frozen_batch, "infer") for _ in range(2)]
     assert torch.equal(torch.random.get_rng_state(), state)
     assert engine.module.training
     assert torch.equal(prepass[0], prepass[1])
     eval_mode = _tiny.compute_current_log_probs(engine, frozen_batch)
     engine.module.train()
-    mask = hook.padded(frozen_batch["response_mask"]).bool()
+    mask = layout.padded(frozen_batch["response_mask"]).bool()
     assert torch.allclose(prepass[0][mask], eval_mode[mask], atol=1e-5)
 
 
@@ -335,7 +340,7 @@ class _RecordingEngine(BaseEngine):
 @pytest.mark.parametrize("strategy", [None, "megatron", "fsdp", "fsdp2"])
 def test_unsupported_engine_raises_before_any_forward(frozen_batch, strategy, mode):
     engine = _RecordingEngine(strategy)
-    with pytest.raises(hook.UnsupportedEngineError) as raised:
+    with pytest.raises(engine_step.UnsupportedEngineError) as raised:
         engine.train_batch(frozen_batch.copy(), loss_function=loss_fn(mode))
     message = str(raised.value)
     assert "fsdp" in message and "fsdp2" in message and "_RecordingEngine" in message
@@ -377,12 +382,12 @@ def _kl_cov_global_update(engine, batch, loss_function):
     engine.infer_batch, engine.forward_backward_batch = recording_infer, recording_forward_backward
     data = batch.copy()
     try:
-        with hook.observe_selections(lambda _engine, result: results.append(result)), engine.train_mode():
+        with engine_step.observe_selections(lambda _engine, result: results.append(result)), engine.train_mode():
             engine.train_batch(data, loss_function=loss_function)
     finally:
         engine.infer_batch, engine.forward_backward_batch = real_infer, real_forward_backward
     assert training_keys in ([], [keys_of(batch)])
-    assert MASK_KEY not in data.keys()
+    assert MASK_FIELD not in data.keys()
     return [r.selection.mask for r in results], prepass_keys, _cpu.engine_params_flat(engine)
 
 
@@ -392,8 +397,8 @@ def test_prepass_layout_train_matches_infer_layout_end_to_end(tiny_model_path, f
     for layout in ("train", "infer"):
         loss_function = loss_fn("kl_cov_global", kl_cov_ratio=RATIO, ppo_kl_coef=1.0, prepass_layout=layout)
         config = loss_function.keywords["config"]
-        assert type(config.policy_loss) is KLCovGlobalPolicyLossConfig and is_kl_cov_global(config)
-        assert read_settings(config).prepass_layout == layout
+        assert type(config.policy_loss) is KLCovGlobalPolicyLossConfig and global_mode_of(config) is KL_COV
+        assert read_kl_cov_settings(config).prepass_layout == layout
         engine = _cpu.build_fsdp_engine(tiny_model_path, micro_batch_size_per_gpu=4,
                                         infer_micro_batch_size_per_gpu=16)
         outcomes[layout] = _kl_cov_global_update(engine, batch, loss_function)
@@ -433,7 +438,7 @@ def test_infer_layout_without_inference_micro_batch_setting_raises(tiny_model_pa
 def test_batched_logsumexp_is_bit_identical_to_verls_loop_and_restored(shape):
     import verl.utils.torch_functional as verl_F
 
-    from verl_klcov_global.hook import batched_logsumexp
+    from verl_klcov_global.engine.logprobs import batched_logsumexp
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(*shape, generator=gen) * 5
@@ -450,7 +455,7 @@ def test_batched_logsumexp_is_bit_identical_to_verls_loop_and_restored(shape):
 def test_batched_logsumexp_leaves_grad_bf16_and_non_contiguous_logits_to_verl(monkeypatch):
     import verl.utils.torch_functional as verl_F
 
-    from verl_klcov_global.hook import batched_logsumexp
+    from verl_klcov_global.engine.logprobs import batched_logsumexp
 
     calls = []
     original = verl_F.logprobs_from_logits_v2
@@ -473,14 +478,14 @@ def test_batched_logsumexp_leaves_grad_bf16_and_non_contiguous_logits_to_verl(mo
 
 @pytest.mark.parametrize("rows, limit, expected", [(64, 16, 16), (8, 32, 8), (12, 8, 6), (10, 4, 2), (7, 16, 7), (1, 16, 1)])
 def test_static_prepass_micro_batch_size_divides_the_minibatch(rows, limit, expected):
-    from verl_klcov_global.hook import largest_divisor_at_most
+    from verl_klcov_global.lab.experiment import largest_divisor_at_most
 
     assert largest_divisor_at_most(rows, limit) == expected
 
 
 def test_loss_wrapper_passes_distillation_logits_processor_calls_through():
     """verl calls the loss function as ``logits_processor_func(student_logits=..., data=...)`` for top-k distillation."""
-    from verl_klcov_global.hook import _loss_with_mask_slice
+    from verl_klcov_global.engine.step import _loss_with_mask_slice
 
     seen = []
 

@@ -25,10 +25,13 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.utils.losses import ppo_loss
 
-from verl_klcov_global import hook
+from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass, step as engine_step
+
+from verl_klcov_global import layout
 from verl_klcov_global.lab import cpu as _cpu
 from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.config import KLCovGlobalSettings
+from verl_klcov_global.modes import KL_COV
 from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch
 
 ROWS, PROMPT, RESPONSE = 13, 8, 32
@@ -73,7 +76,7 @@ def test_static_prepass_runs_ceil_rows_over_size_forwards_with_the_single_forwar
     engine = _cpu.build_fsdp_engine(tiny_model_path)
     forwards = _record_forwards(engine)
     log_probs = []
-    real_compute = hook.compute_prepass_log_probs
+    real_compute = engine_prepass.compute_prepass_log_probs
     monkeypatch.setattr(hook, "compute_prepass_log_probs",
                         lambda *args: log_probs.append(real_compute(*args)) or log_probs[-1])
     batch = _tiny.set_micro_batching(thirteen_rows.copy(), use_dynamic_bsz=False, micro_batch_size_per_gpu=13)
@@ -81,7 +84,7 @@ def test_static_prepass_runs_ceil_rows_over_size_forwards_with_the_single_forwar
     for size in (16, 8, 5, 4, 1):
         _with_engine_config(engine, infer_micro_batch_size_per_gpu=size)
         forwards.clear()
-        result = hook.run_prepass_and_select(engine, batch, _settings())
+        result = engine_prepass.run_prepass_and_select(engine, batch, _settings(), KL_COV)
         counts[size] = [rows for rows, _ in forwards]
         assert all(forward_only for _, forward_only in forwards)
         masks[size] = result.selection.mask
@@ -98,7 +101,7 @@ def test_static_prepass_runs_ceil_rows_over_size_forwards_with_the_single_forwar
 @pytest.mark.parametrize("rows, size, expected", [(13, 8, [7, 6]), (16, 8, [8, 8]), (12, 16, [12]), (7, 3, [3, 2, 2]),
                                                   (1, 4, [1])])
 def test_static_chunk_sizes_without_a_group(rows, size, expected):
-    assert hook.static_prepass_chunk_sizes(rows, size) == expected
+    assert engine_prepass.static_prepass_chunk_sizes(rows, size) == expected
 
 
 def _agree(rank, world_size, port, scenarios, size):
@@ -110,7 +113,7 @@ def _agree(rank, world_size, port, scenarios, size):
     results = []
     for rows_per_rank in scenarios:
         try:
-            results.append(hook.static_prepass_chunk_sizes(rows_per_rank[rank], size, dist.group.WORLD))
+            results.append(engine_prepass.static_prepass_chunk_sizes(rows_per_rank[rank], size, dist.group.WORLD))
         except ValueError as error:
             results.append(f"ValueError: {error}")
     return results
@@ -140,7 +143,7 @@ def test_dynamic_prepass_uses_the_log_prob_token_budget(tiny_model_path, thirtee
         return real_infer(data, loss_function=loss_function)
 
     engine.infer_batch = recording_infer
-    hook.run_prepass_and_select(engine, batch, _settings())
+    engine_prepass.run_prepass_and_select(engine, batch, _settings(), KL_COV)
     expected, _ = prepare_micro_batches(_tiny.set_micro_batching(batch.copy(), use_dynamic_bsz=True,
                                                                  max_token_len_per_gpu=infer_budget))
     assert budgets == [infer_budget]
@@ -152,9 +155,9 @@ def test_prepass_log_probs_are_verls_own_bit_for_bit(tiny_model_path, thirteen_r
     """The batched in-place path (vocab 400 < 32,768) against verl's infer_batch with its own loop."""
     engine = _cpu.build_fsdp_engine(tiny_model_path, infer_micro_batch_size_per_gpu=13)
     batch = _tiny.set_micro_batching(thirteen_rows.copy(), use_dynamic_bsz=False, micro_batch_size_per_gpu=13)
-    ours = hook.compute_prepass_log_probs(engine, batch, "infer")
+    ours = engine_prepass.compute_prepass_log_probs(engine, batch, "infer")
     verls = _tiny.compute_current_log_probs(engine, batch)  # eval mode, verl's logprobs_from_logits_v2
-    assert torch.equal(ours, hook.fit_width(verls, ours.shape[1]))
+    assert torch.equal(ours, layout.fit_width(verls, ours.shape[1]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,7 +183,7 @@ def test_batched_log_probs_are_verls_for_wide_rows_summed_in_one_thread():
     logits = torch.randn(6, WIDE, generator=gen) * 4
     labels = torch.randint(0, WIDE, (6,), generator=gen)
     expected = _with_threads(1, lambda: verl_F.logprobs_from_logits_v2(logits, labels))
-    got = _with_threads(1, lambda: hook.log_probs_in_place(logits.clone(), labels))
+    got = _with_threads(1, lambda: engine_logprobs.log_probs_in_place(logits.clone(), labels))
     assert torch.equal(got, expected)
 
 
@@ -188,10 +191,10 @@ def test_batched_log_probs_do_not_depend_on_threads_or_on_the_rows_sharing_a_cal
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(8, WIDE, generator=gen) * 4
     labels = torch.randint(0, WIDE, (8,), generator=gen)
-    whole = _with_threads(2, lambda: hook.log_probs_in_place(logits.clone(), labels))
-    one_thread = _with_threads(1, lambda: hook.log_probs_in_place(logits.clone(), labels))
-    split = _with_threads(2, lambda: torch.cat([hook.log_probs_in_place(logits[:3].clone(), labels[:3]),
-                                                hook.log_probs_in_place(logits[3:].clone(), labels[3:])]))
+    whole = _with_threads(2, lambda: engine_logprobs.log_probs_in_place(logits.clone(), labels))
+    one_thread = _with_threads(1, lambda: engine_logprobs.log_probs_in_place(logits.clone(), labels))
+    split = _with_threads(2, lambda: torch.cat([engine_logprobs.log_probs_in_place(logits[:3].clone(), labels[:3]),
+                                                engine_logprobs.log_probs_in_place(logits[3:].clone(), labels[3:])]))
     reference = torch.log_softmax(logits.double(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     assert torch.equal(whole, one_thread) and torch.equal(whole, split)
     assert torch.allclose(whole.double(), reference, atol=1e-5)  # and it is the log-prob
@@ -282,11 +285,11 @@ def test_prepass_runs_without_gradients_and_offloaded_optimizer_states_stay_off_
 
 def test_optimizer_states_context_reports_whether_it_moved_them(tiny_model_path, thirteen_rows):
     engine = _adamw_engine(tiny_model_path, optimizer_offload=True)
-    with hook.optimizer_states_off_device(engine, "infer") as moved:
+    with engine_prepass.optimizer_states_off_device(engine, "infer") as moved:
         assert moved is False  # no AdamW state before the first step: nothing to move
     batch = _tiny.set_micro_batching(thirteen_rows.copy(), use_dynamic_bsz=False, micro_batch_size_per_gpu=13)
     results = []
-    with hook.observe_selections(lambda _engine, result: results.append(result)), engine.train_mode():
+    with engine_step.observe_selections(lambda _engine, result: results.append(result)), engine.train_mode():
         for _ in range(2):
             engine.train_batch(batch.copy(), loss_function=functools.partial(
                 ppo_loss, config=_tiny.make_actor_config(policy_loss=_policy_loss("infer"))))
@@ -318,20 +321,20 @@ def test_profiler_trace_names_the_prepass_and_the_selection_and_metrics_state_th
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as trace, engine.train_mode(), \
-            hook.observe_selections(lambda _engine, result: results.append(result)):
+            engine_step.observe_selections(lambda _engine, result: results.append(result)):
         started = time.perf_counter()
         output = engine.train_batch(batch, loss_function=loss_function)
         outside = time.perf_counter() - started
     events = trace.events()
-    prepass = [e for e in events if e.name == hook.PREPASS_RECORD_NAME]
-    selection = [e for e in events if e.name == hook.SELECTION_RECORD_NAME]
+    prepass = [e for e in events if e.name == engine_prepass.PREPASS_RECORD_NAME]
+    selection = [e for e in events if e.name == engine_prepass.SELECTION_RECORD_NAME]
     assert len(prepass) == 1 and len(selection) == 1
     inside_prepass = _children_names(prepass[0])
     # verl's forwards run inside the prepass record, 2 for 12 rows / 8: one attention call per layer each
     # (counted by torch's sdpa op: verl 0.9 also names its micro-batches "micro_batch<i>", 0.8 does not)
     layers = engine.module.config.num_hidden_layers  # FSDP1 forwards attribute reads to the HF model
     assert inside_prepass.count("aten::scaled_dot_product_attention") == 2 * layers
-    assert hook.SELECTION_RECORD_NAME not in inside_prepass
+    assert engine_prepass.SELECTION_RECORD_NAME not in inside_prepass
 
     metrics = output["metrics"]
     share = metrics["actor/kl_cov/prepass_share"]
@@ -342,7 +345,7 @@ def test_profiler_trace_names_the_prepass_and_the_selection_and_metrics_state_th
     assert 0 < share_value < 1
     assert plugin_seconds <= plugin_seconds / share_value <= outside  # the share of the wrapped call's time
 
-    per_micro_batch = metrics[f"actor/kl_cov/{hook.SELECTED_IN_MICRO_BATCH}"]
+    per_micro_batch = metrics["actor/kl_cov/selected_in_micro_batch"]
     assert isinstance(per_micro_batch, Metric) and per_micro_batch.aggregation is AggregationType.MEAN
     assert len(per_micro_batch.values) == 2
     assert sum(per_micro_batch.values) == result.selection.num_selected > 0

@@ -20,7 +20,7 @@ import pytest
 import torch
 from verl.utils import tensordict_utils as tu
 
-from verl_klcov_global import hook
+from verl_klcov_global.engine import prepass as engine_prepass, step as engine_step
 from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.selection import select_kl_cov_tokens
 
@@ -65,7 +65,7 @@ def test_train_mini_batch_runs_one_prepass_per_optimizer_step_on_its_rows_and_pa
         steps.append({"rows": row_indices(minibatch, full)})
         return TrainingWorker.train_batch(worker, minibatch)
 
-    real_compute = hook.compute_prepass_log_probs
+    real_compute = engine_prepass.compute_prepass_log_probs
 
     def recording_compute(engine, data, layout):
         log_probs = real_compute(engine, data, layout)
@@ -88,7 +88,7 @@ def test_train_mini_batch_runs_one_prepass_per_optimizer_step_on_its_rows_and_pa
     monkeypatch.setattr(worker, "train_batch", recording_train_batch)
     monkeypatch.setattr(hook, "compute_prepass_log_probs", recording_compute)
     monkeypatch.setattr(worker.engine, "optimizer_step", recording_optimizer_step)
-    with hook.observe_selections(observer):
+    with engine_step.observe_selections(observer):
         output = worker.train_mini_batch(batch)
 
     # -- one prepass per optimizer step -------------------------------------------------------------

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from verl_klcov_global.lab import cpu as _cpu
 from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.lab.experiment import MicroBatchLayout, frozen_minibatch, max_abs_diff, one_update
-from verl_klcov_global.hook import fit_width, observe_selections
+from verl_klcov_global.layout import fit_width
+from verl_klcov_global.engine.step import observe_selections
 
 from .ulysses_support import UlyssesEngineSpec, cpu_varlen_attention, varlen_attention_cpu
 

@@ -13,7 +13,6 @@ from verl.workers.config import ActorConfig, PolicyLossConfig
 
 from verl_klcov_global import (
     KLCovMaskUnavailableError,
-    provide_kl_cov_mask,
     provide_selection_mask,
     select_kl_cov_tokens,
 )
@@ -87,7 +86,7 @@ def test_equals_verl_kl_cov_on_the_whole_minibatch(seed, agg_mode, with_is, rati
 
     ref_loss, ref_grad, ref_metrics = loss_and_grad("kl_cov", inputs, agg_mode, actor_config("kl_cov", ratio, 1.0, global_info))
     _, no_penalty_grad, _ = loss_and_grad("kl_cov", inputs, agg_mode, actor_config("kl_cov", ratio, 0.0, global_info))
-    with provide_kl_cov_mask(selection.mask, selection.figures()):
+    with provide_selection_mask(selection.mask, selection.figures()):
         loss, grad, metrics = loss_and_grad(
             "kl_cov_global", inputs, agg_mode, actor_config("kl_cov_global", ratio, 1.0, global_info)
         )
@@ -111,17 +110,17 @@ def test_without_a_mask_raises_with_the_fix():
 def test_mask_of_another_micro_batch_is_rejected():
     inputs = loss_inputs(0)
     wrong = torch.zeros(3, 3, dtype=torch.bool)
-    with provide_kl_cov_mask(wrong), pytest.raises(ValueError, match="does not belong to this micro-batch"):
+    with provide_selection_mask(wrong), pytest.raises(ValueError, match="does not belong to this micro-batch"):
         get_policy_loss_fn("kl_cov_global")(**inputs, config=actor_config("kl_cov_global"))
     outside = ~inputs["response_mask"]
     if outside.any():
-        with provide_kl_cov_mask(outside), pytest.raises(ValueError, match="outside response_mask"):
+        with provide_selection_mask(outside), pytest.raises(ValueError, match="outside response_mask"):
             get_policy_loss_fn("kl_cov_global")(**inputs, config=actor_config("kl_cov_global"))
 
 
 def test_channel_is_scoped_to_the_block():
     inputs = loss_inputs(1)
-    with provide_kl_cov_mask(torch.zeros_like(inputs["response_mask"])):
+    with provide_selection_mask(torch.zeros_like(inputs["response_mask"])):
         get_policy_loss_fn("kl_cov_global")(**inputs, config=actor_config("kl_cov_global"))
     with pytest.raises(KLCovMaskUnavailableError):
         get_policy_loss_fn("kl_cov_global")(**inputs, config=actor_config("kl_cov_global"))
@@ -136,12 +135,13 @@ def test_missing_mask_error_names_why_the_hook_did_not_install(monkeypatch):
 
 
 def test_plugin_install_records_a_hook_failure(monkeypatch):
-    from verl_klcov_global import hook, loss, plugin
+    from verl_klcov_global import loss, plugin
+    from verl_klcov_global.engine import patches
 
     def broken():
         raise RuntimeError("verl changed")
 
-    monkeypatch.setattr(hook, "install_hook", broken)
+    monkeypatch.setattr(patches, "install_hook", broken)
     monkeypatch.setattr(loss, "_HOOK_INSTALL_ERROR", None)
     with pytest.raises(RuntimeError, match="verl changed"):
         plugin.install()
@@ -244,7 +244,6 @@ def test_clip_cov_global_without_a_mask_raises_with_the_fix():
     with pytest.raises(ClipCovMaskUnavailableError, match="loss_mode=clip_cov_global .*prepass hook is not active"):
         get_policy_loss_fn("clip_cov_global")(**loss_inputs(0), config=clip_cov_config("clip_cov_global"))
     assert issubclass(KLCovMaskUnavailableError, SelectionMaskUnavailableError)
-    assert provide_kl_cov_mask is provide_selection_mask  # the old name still works
 
 
 def test_clip_cov_global_is_registered():

@@ -1,4 +1,4 @@
-"""Loss mode dispatch (modes.py): what each mode reads from verl's minibatch layouts, and that the layout does not matter."""
+"""The mode table (modes.py): what each mode reads from verl's minibatch layouts, and that the layout does not matter."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from verl.utils import tensordict_utils as tu
 
 from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.config import ClipCovGlobalPolicyLossConfig, KLCovGlobalPolicyLossConfig
-from verl_klcov_global.modes import CLIP_COV, KL_COV, global_mode_of, padded, sequence_token_ids
+from verl_klcov_global.layout import padded, sequence_token_ids
+from verl_klcov_global.modes import CLIP_COV, KL_COV, global_mode_of
 from verl_klcov_global.selection.keys import sequence_hashes
 
 BATCH, PROMPT, RESPONSE = 12, 6, 10
@@ -38,7 +39,7 @@ def _minibatch(seed, layout):
 
 def _select(data, log_probs):
     actor = clip_cov_actor()
-    return CLIP_COV.select(log_probs, data, CLIP_COV.read_settings(actor), None)
+    return CLIP_COV.select_minibatch(log_probs, data, CLIP_COV.read_settings(actor), None)
 
 
 @settings(max_examples=15, deadline=None)

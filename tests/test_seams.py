@@ -18,7 +18,11 @@ import verl.utils.torch_functional as verl_F
 from verl.workers.config.actor import PolicyLossConfig
 from verl.workers.engine.base import BaseEngine
 
-from verl_klcov_global import loss, seams
+import verl
+
+from verl_klcov_global import seams
+from verl_klcov_global.engine.patches import PATCHES
+from verl_klcov_global.modes import MODES
 from verl_klcov_global.seams import KNOWN_VERL_VERSIONS, VerlSeamError, check_seams
 
 _KNOWN = r"Known to work: verl 0\.8\.0, 0\.9\.1"
@@ -27,11 +31,20 @@ _KNOWN = r"Known to work: verl 0\.8\.0, 0\.9\.1"
 def test_the_installed_verl_passes_every_seam():
     names = check_seams(force=True)
     assert names == [seam.name for seam in seams.SEAMS] and len(names) >= 20
-    assert KNOWN_VERL_VERSIONS == ("0.8.0", "0.9.1")
+    assert verl.__version__ in KNOWN_VERL_VERSIONS  # the suite runs on the versions the error message names
+
+
+def test_every_patch_of_the_catalogue_is_guarded_by_a_seam():
+    """A patch whose target moves must fail at import, by name: each one names a seam that is checked."""
+    names = {seam.name for seam in seams.SEAMS}
+    assert [patch.name for patch in PATCHES] == [
+        "train_batch_prepass", "validate_config_driver_checks", "prepass_batched_logsumexp"]
+    for patch in PATCHES:
+        assert patch.seam in names, patch
 
 
 def test_the_plugins_losses_take_the_arguments_the_seam_checks():
-    for fn in (loss.compute_policy_loss_kl_cov_global, loss.compute_policy_loss_clip_cov_global):
+    for fn in (mode.policy_loss for mode in MODES.values()):
         assert list(inspect.signature(fn).parameters) == seams.POLICY_LOSS_ARGUMENTS
 
 

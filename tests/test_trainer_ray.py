@@ -65,25 +65,26 @@ def _actor_config(config):
 def test_plain_loss_mode_override_passes_verls_validation_and_conversion(tiny_model_path):
     from verl.workers.config import FSDPActorConfig, PolicyLossConfig
 
-    from verl_klcov_global.config import is_kl_cov_global, read_settings
+    from verl_klcov_global.config import read_kl_cov_settings
+    from verl_klcov_global.modes import KL_COV, global_mode_of
 
     config = trainer.compose_trainer_config(
         _overrides(tiny_model_path) + ["actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global"],
         plugin_config=False)
     actor = _actor_config(config)
     assert type(actor) is FSDPActorConfig and type(actor.policy_loss) is PolicyLossConfig
-    assert is_kl_cov_global(actor)
-    assert read_settings(actor).kl_cov_ratio == RATIO
+    assert global_mode_of(actor) is KL_COV
+    assert read_kl_cov_settings(actor).kl_cov_ratio == RATIO
 
 
 def test_configs_yaml_selects_the_plugin_config_and_takes_overrides_without_plus(tiny_model_path):
-    from verl_klcov_global.config import KLCovGlobalPolicyLossConfig, read_settings
+    from verl_klcov_global.config import KLCovGlobalPolicyLossConfig, read_kl_cov_settings
 
     config = trainer.compose_trainer_config(
         _overrides(tiny_model_path) + ["actor_rollout_ref.actor.policy_loss.prepass_layout=train"])
     actor = _actor_config(config)
     assert type(actor.policy_loss) is KLCovGlobalPolicyLossConfig
-    settings = read_settings(actor)
+    settings = read_kl_cov_settings(actor)
     assert (settings.kl_cov_ratio, settings.ppo_kl_coef, settings.prepass_layout) == (RATIO, 1.0, "train")
 
 
@@ -115,7 +116,7 @@ from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 from verl.workers.engine.base import BaseEngine
 actor = trainer.compose_trainer_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]).actor_rollout_ref.actor
 assert "kl_cov_global" not in POLICY_LOSS_REGISTRY
-sys.modules["verl_klcov_global.hook"] = None  # a broken install: the hook module cannot be imported
+sys.modules["verl_klcov_global.engine.patches"] = None  # a broken install: the hook module cannot be imported
 try:
     omega_conf_to_dataclass(actor)
 except Exception as error:  # hydra names the target; the import error is its cause
@@ -124,10 +125,10 @@ except Exception as error:  # hydra names the target; the import error is its ca
     while error is not None:
         causes.append(error)
         error = error.__cause__ or error.__context__
-    assert any(isinstance(c, ImportError) and "verl_klcov_global.hook" in str(c) for c in causes), causes
+    assert any(isinstance(c, ImportError) and "verl_klcov_global.engine.patches" in str(c) for c in causes), causes
 else:
     raise AssertionError("a broken plugin was swallowed")
-del sys.modules["verl_klcov_global.hook"]
+del sys.modules["verl_klcov_global.engine.patches"]
 omega_conf_to_dataclass(actor)
 assert "kl_cov_global" in POLICY_LOSS_REGISTRY
 assert getattr(BaseEngine.train_batch, "__verl_klcov_global_original__", None) is not None

@@ -1,9 +1,10 @@
 """verl-klcov-global: KL-Cov and Clip-Cov whose token selection does not depend on memory settings.
 
-Registers the verl policy-loss modes ``kl_cov_global`` and ``clip_cov_global``: one
-KL-Cov / Clip-Cov selection per optimizer minibatch (and data-parallel group), computed by a
-no-grad prepass, instead of one per micro-batch. Select one with
-``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global`` (or ``=clip_cov_global``).
+Registers the verl policy-loss modes of the mode table (:data:`verl_klcov_global.modes.MODES`:
+``kl_cov_global`` and ``clip_cov_global``): one KL-Cov / Clip-Cov selection per optimizer
+minibatch (and data-parallel group), computed by a no-grad prepass, instead of one per
+micro-batch. Select one with ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global``
+(or ``=clip_cov_global``).
 """
 
 import verl  # noqa: F401  (loads verl's entry-point plugins first, this one included)
@@ -12,22 +13,14 @@ from .seams import check_seams as _check_seams
 
 _check_seams()  # a moved verl seam fails here, by name, before anything is patched or registered
 
-from .config import (
-    CLIP_COV_LOSS_MODE,
-    LOSS_MODE,
-    MASK_KEY,
-    ClipCovGlobalPolicyLossConfig,
-    KLCovGlobalPolicyLossConfig,
-)
+from .config import MASK_FIELD, ClipCovGlobalPolicyLossConfig, KLCovGlobalPolicyLossConfig
 from .loss import (
     ClipCovMaskUnavailableError,
     KLCovMaskUnavailableError,
     SelectionMaskUnavailableError,
-    compute_policy_loss_clip_cov_global,
-    compute_policy_loss_kl_cov_global,
-    provide_kl_cov_mask,
     provide_selection_mask,
 )
+from .modes import MODES, ModeSpec, register_mode
 from .plugin import install
 from .selection import (
     ClipCovSelection,
@@ -41,23 +34,21 @@ from .selection import (
 __version__ = "0.2.0"
 
 __all__ = [
-    "CLIP_COV_LOSS_MODE",
-    "LOSS_MODE",
-    "MASK_KEY",
+    "MASK_FIELD",
+    "MODES",
     "ClipCovGlobalPolicyLossConfig",
     "ClipCovMaskUnavailableError",
     "ClipCovSelection",
     "KLCovGlobalPolicyLossConfig",
     "KLCovMaskUnavailableError",
     "KLCovSelection",
+    "ModeSpec",
     "SelectionMaskUnavailableError",
     "clip_cov_quota",
-    "compute_policy_loss_clip_cov_global",
-    "compute_policy_loss_kl_cov_global",
     "install",
     "kl_cov_quota",
-    "provide_kl_cov_mask",
     "provide_selection_mask",
+    "register_mode",
     "select_clip_cov_tokens",
     "select_kl_cov_tokens",
 ]

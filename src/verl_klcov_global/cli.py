@@ -7,6 +7,8 @@ import functools
 import sys
 from typing import Optional, Sequence
 
+from .modes import MODES
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -41,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--response-len", type=int, help="default 128")
     add("--kl-cov-ratio", type=float, help="default 0.0002")
     add("--ppo-kl-coef", type=float, help="default 1.0")
-    add("--loss-mode", choices=["all", "kl_cov_global", "clip_cov_global"],
+    add("--loss-mode", choices=["all", *MODES],
         help="which global modes to diagnose (default all; with --config-name: the one your loss_mode names, else all)")
     add("--clip-cov-ratio", type=float, help="Clip-Cov quota fraction (default 0.002; verl's default 0.0002)")
     add("--clip-cov-lb", type=float,

@@ -1,4 +1,6 @@
-"""Configuration of the ``kl_cov_global`` and ``clip_cov_global`` loss modes: names, knobs, validation.
+"""The knobs of the global loss modes: their validated settings and the config classes that carry them.
+
+The mode table (:mod:`verl_klcov_global.modes`) points each mode at its reader and class here.
 
 Everything a user can set lives in ``actor_rollout_ref.actor.policy_loss``:
 
@@ -40,20 +42,23 @@ from .selection import (
 )
 from .selection.knobs import finite_number, setting
 
-LOSS_MODE = "kl_cov_global"
-CLIP_COV_LOSS_MODE = "clip_cov_global"
-#: Every loss mode whose selection the prepass hook makes.
-GLOBAL_LOSS_MODES = (LOSS_MODE, CLIP_COV_LOSS_MODE)
-#: Per-token field of the minibatch TensorDict that carries the selection mask (either mode).
-MASK_KEY = "kl_cov_global_mask"
-#: Prefix of every metric kl_cov_global adds to verl's metrics dict.
-METRIC_PREFIX = "actor/kl_cov/"
-#: Prefix of every metric clip_cov_global adds to verl's metrics dict.
-CLIP_COV_METRIC_PREFIX = "actor/clip_cov/"
+#: Per-token field of the minibatch TensorDict that carries the selection mask (every global mode).
+MASK_FIELD = "global_selection_mask"
 PREPASS_LAYOUTS = ("infer", "train")
 #: Actor strategies whose engine (verl's ``FSDPEngineWithLMHead``) the prepass hook covers.
 SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
 DEFAULT_CLIP_COV_SEED = 0
+
+
+def unsupported_strategy_message(loss_mode: str, upstream: Optional[str], found: str) -> str:
+    """The one wording of "the prepass does not cover this engine", for the driver and the engine alike.
+
+    ``found`` says what was found (the config's strategy, or the engine's class and strategy);
+    ``upstream`` is verl's per-micro-batch counterpart of ``loss_mode`` (None if it has none).
+    """
+    other = f"use loss_mode={upstream} (per-micro-batch selection)" if upstream else "use another loss mode"
+    return (f"loss_mode={loss_mode} supports verl's FSDP engine only (actor strategy {SUPPORTED_STRATEGIES}); "
+            f"{found}. Set actor_rollout_ref.actor.strategy=fsdp2 (or fsdp), or {other}.")
 
 # Upstream kl_cov's fallbacks when a field is None (verl 0.9.1 core_algos.py ~1884).
 _DEFAULT_RATIO = 0.0002
@@ -110,30 +115,29 @@ def _field(policy_loss: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def global_loss_mode(actor_config: Any) -> Optional[str]:
-    """The actor config's loss mode if it is one of :data:`GLOBAL_LOSS_MODES`, else None.
+def loss_mode_of(actor_config: Any) -> Optional[str]:
+    """The ``policy_loss.loss_mode`` of an actor config (verl ``ActorConfig`` or a mapping like it).
 
-    ``actor_config``: verl ``ActorConfig`` or a mapping like it (None gives None).
+    ``"vanilla"`` (verl's default) when the field is None; None when there is no config or no ``policy_loss``.
+    Which loss modes are the plugin's is the mode table's business (:func:`verl_klcov_global.modes.global_mode_of`).
     """
     policy_loss = getattr(actor_config, "policy_loss", None)
     if policy_loss is None and hasattr(actor_config, "get"):
         policy_loss = actor_config.get("policy_loss", None)
     if policy_loss is None:
         return None
-    mode = _field(policy_loss, "loss_mode", "vanilla")
-    return mode if mode in GLOBAL_LOSS_MODES else None
+    return _field(policy_loss, "loss_mode", "vanilla")
 
 
-def is_kl_cov_global(actor_config: Any) -> bool:
-    """True when an actor config (verl ``ActorConfig`` or a mapping like it) selects ``kl_cov_global``."""
-    return global_loss_mode(actor_config) == LOSS_MODE
-
-
-def read_settings(actor_config: Any) -> KLCovGlobalSettings:
-    """Validated :class:`KLCovGlobalSettings` from an actor config's ``policy_loss``."""
+def _policy_loss_of(actor_config: Any, mode: str) -> Any:
     if actor_config is None or getattr(actor_config, "policy_loss", None) is None:
-        raise ValueError("kl_cov_global needs the actor config (with policy_loss) passed as `config`")
-    policy_loss = actor_config.policy_loss
+        raise ValueError(f"{mode} needs the actor config (with policy_loss) passed as `config`")
+    return actor_config.policy_loss
+
+
+def read_kl_cov_settings(actor_config: Any) -> KLCovGlobalSettings:
+    """Validated :class:`KLCovGlobalSettings` from an actor config's ``policy_loss``."""
+    policy_loss = _policy_loss_of(actor_config, "kl_cov_global")
     return KLCovGlobalSettings(
         kl_cov_ratio=validate_kl_cov_ratio(_field(policy_loss, "kl_cov_ratio", _DEFAULT_RATIO)),
         ppo_kl_coef=validate_ppo_kl_coef(_field(policy_loss, "ppo_kl_coef", _DEFAULT_COEF)),
@@ -147,9 +151,7 @@ def read_clip_cov_settings(actor_config: Any) -> ClipCovGlobalSettings:
     The PPO clip range follows upstream ``clip_cov``: ``clip_ratio_low`` / ``clip_ratio_high``,
     each falling back to ``clip_ratio`` when None.
     """
-    if actor_config is None or getattr(actor_config, "policy_loss", None) is None:
-        raise ValueError("clip_cov_global needs the actor config (with policy_loss) passed as `config`")
-    policy_loss = actor_config.policy_loss
+    policy_loss = _policy_loss_of(actor_config, "clip_cov_global")
     lb, ub = validate_clip_cov_window(_field(policy_loss, "clip_cov_lb", _DEFAULT_CLIP_COV_LB),
                                       _field(policy_loss, "clip_cov_ub", _DEFAULT_CLIP_COV_UB))
     clip_ratio = getattr(actor_config, "clip_ratio", None)
@@ -189,12 +191,12 @@ class KLCovGlobalPolicyLossConfig(PolicyLossConfig):
     Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_klcov_global.config.KLCovGlobalPolicyLossConfig``.
     """
 
-    loss_mode: str = LOSS_MODE
+    loss_mode: str = "kl_cov_global"
     prepass_layout: str = "infer"
 
     def __post_init__(self):
         _parent_post_init(self, KLCovGlobalPolicyLossConfig)
-        _require_loss_mode(self, LOSS_MODE)
+        _require_loss_mode(self, KLCovGlobalPolicyLossConfig.loss_mode)
         validate_kl_cov_ratio(self.kl_cov_ratio)
         validate_ppo_kl_coef(self.ppo_kl_coef)
         validate_prepass_layout(self.prepass_layout)
@@ -208,13 +210,13 @@ class ClipCovGlobalPolicyLossConfig(PolicyLossConfig):
     ``clip_cov_ratio``, ``clip_cov_lb``, ``clip_cov_ub`` are verl's own fields (defaults 0.0002, 1.0, 5.0).
     """
 
-    loss_mode: str = CLIP_COV_LOSS_MODE
+    loss_mode: str = "clip_cov_global"
     clip_cov_seed: int = DEFAULT_CLIP_COV_SEED
     prepass_layout: str = "infer"
 
     def __post_init__(self):
         _parent_post_init(self, ClipCovGlobalPolicyLossConfig)
-        _require_loss_mode(self, CLIP_COV_LOSS_MODE)
+        _require_loss_mode(self, ClipCovGlobalPolicyLossConfig.loss_mode)
         validate_clip_cov_ratio(self.clip_cov_ratio)
         validate_clip_cov_window(self.clip_cov_lb, self.clip_cov_ub)
         validate_clip_cov_seed(self.clip_cov_seed)

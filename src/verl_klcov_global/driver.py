@@ -3,10 +3,10 @@
 verl's ``main_ppo`` composes the Hydra config, calls ``verl.utils.config.validate_config`` in the
 driver, and only then starts Ray (``run_ppo``: ``ray.init`` with ``ray_kwargs.ray_init``, then the
 TaskRunner, the rollout and the workers). PATCH ``validate_config_driver_checks`` (in
-:mod:`verl_klcov_global.hook`, where every patch lives) calls :func:`prepare_trainer_config` first.
-When the config selects one of the plugin's loss modes it:
+:mod:`verl_klcov_global.engine.patches`, where every patch is listed) calls :func:`prepare_trainer_config`
+first. When the config selects a mode of the table (:mod:`verl_klcov_global.modes`) it:
 
-1. checks every knob of that mode on the raw config values, before Hydra's conversion to verl's
+1. checks every knob of that mode (its ``ModeSpec.read_settings``) on the raw config values, before Hydra's conversion to verl's
    dataclasses can coerce them (``true`` -> 1.0, ``false`` -> 0.0): booleans, strings and
    non-finite numbers are rejected, and the error names the key and a good value. The same
    checks run on every route: verl's own ``PolicyLossConfig`` (a plain ``loss_mode=`` override),
@@ -39,13 +39,8 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from .config import (
-    LOSS_MODE,
-    SUPPORTED_STRATEGIES,
-    global_loss_mode,
-    read_clip_cov_settings,
-    read_settings,
-)
+from .config import SUPPORTED_STRATEGIES, unsupported_strategy_message
+from .modes import global_mode_of
 
 #: Module that :func:`prepare_trainer_config` ships to every Ray process and names in
 #: ``VERL_USE_EXTERNAL_MODULES``.
@@ -69,21 +64,18 @@ def check_trainer_config(config: DictConfig) -> Optional[str]:
     Raises :class:`TrainerConfigError` naming the key to change.
     """
     actor = OmegaConf.select(config, "actor_rollout_ref.actor", default=None)
-    mode = global_loss_mode(actor) if actor is not None else None
+    mode = global_mode_of(actor) if actor is not None else None
     if mode is None:
         return None
     try:
-        (read_settings if mode == LOSS_MODE else read_clip_cov_settings)(actor)
+        mode.read_settings(actor)
     except ValueError as error:
-        raise TrainerConfigError(f"{MESSAGE_PREFIX}: loss_mode={mode}: {error}") from None
+        raise TrainerConfigError(f"{MESSAGE_PREFIX}: loss_mode={mode.name}: {error}") from None
     strategy = actor.get("strategy", None)
     if strategy not in SUPPORTED_STRATEGIES:
-        raise TrainerConfigError(
-            f"{MESSAGE_PREFIX}: loss_mode={mode} needs verl's FSDP engine, but actor_rollout_ref.actor.strategy is "
-            f"{strategy!r}; set actor_rollout_ref.actor.strategy=fsdp2 (or fsdp), or choose verl's own loss mode "
-            f"({mode.replace('_global', '')})"
-        )
-    return mode
+        raise TrainerConfigError(f"{MESSAGE_PREFIX}: " + unsupported_strategy_message(
+            mode.name, mode.upstream, f"actor_rollout_ref.actor.strategy is {strategy!r}"))
+    return mode.name
 
 
 def _names(value: Any) -> list[str]:

@@ -1,16 +1,20 @@
-"""The registered ``kl_cov_global`` and ``clip_cov_global`` policy losses and the channel that feeds them a mask.
+"""The global policy losses verl calls, and the one channel that hands them each micro-batch's mask.
 
 verl calls a policy loss with padded (batch, response_len) tensors only
 (``verl/workers/utils/losses.py ppo_loss``); it never sees the micro-batch
 TensorDict. The selection mask therefore reaches the loss through one explicit
-channel: :func:`provide_selection_mask` (old name :func:`provide_kl_cov_mask`), a
-context manager that sets a :class:`contextvars.ContextVar` for the duration of one
-loss call. The engine hook (``hook.py``) wraps verl's loss function so that every
+channel: :func:`provide_selection_mask`, a context manager that sets a
+:class:`contextvars.ContextVar` for the duration of one loss call. The engine's step
+(:mod:`verl_klcov_global.engine.step`) wraps verl's loss function so that every
 micro-batch's loss call runs inside ``provide_selection_mask(<that micro-batch's mask slice>)``.
 
-Outside such a context the losses raise :class:`SelectionMaskUnavailableError`
-(:class:`KLCovMaskUnavailableError` / :class:`ClipCovMaskUnavailableError`): there is
-never a silent fallback to per-micro-batch selection.
+:func:`global_policy_loss` turns one mode of the table (:mod:`verl_klcov_global.modes`)
+into the function verl registers: read the mode's settings, take the mask from the channel,
+apply the mode's objective (:func:`kl_cov_objective`, :func:`clip_cov_objective`: verl's
+own per-token formulas on a given mask), weight and aggregate as verl does. Outside a
+``provide_selection_mask`` block the loss raises the mode's
+:class:`SelectionMaskUnavailableError`: there is never a silent fallback to per-micro-batch
+selection.
 """
 
 from __future__ import annotations
@@ -18,29 +22,20 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import verl.utils.torch_functional as verl_F
-from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
-
-from .config import (
-    CLIP_COV_LOSS_MODE,
-    CLIP_COV_METRIC_PREFIX,
-    LOSS_MODE,
-    METRIC_PREFIX,
-    read_clip_cov_settings,
-    read_settings,
-)
+from verl.trainer.ppo.core_algos import agg_loss
 
 __all__ = [
     "SelectionMaskUnavailableError",
     "KLCovMaskUnavailableError",
     "ClipCovMaskUnavailableError",
     "provide_selection_mask",
-    "provide_kl_cov_mask",
-    "compute_policy_loss_kl_cov_global",
-    "compute_policy_loss_clip_cov_global",
+    "global_policy_loss",
+    "kl_cov_objective",
+    "clip_cov_objective",
 ]
 
 
@@ -75,7 +70,6 @@ _NO_MASK_MESSAGE = (
     "VERL_USE_EXTERNAL_MODULES=verl_klcov_global, or actor_rollout_ref.model.external_lib=verl_klcov_global. "
     "To call the loss directly, wrap the call in verl_klcov_global.provide_selection_mask(mask)."
 )
-_NO_MASK_ERRORS = {LOSS_MODE: KLCovMaskUnavailableError, CLIP_COV_LOSS_MODE: ClipCovMaskUnavailableError}
 
 
 _HOOK_INSTALL_ERROR: Optional[BaseException] = None
@@ -89,14 +83,13 @@ def record_hook_install_error(error: BaseException) -> None:
 
 @contextlib.contextmanager
 def provide_selection_mask(mask: torch.Tensor, figures: Optional[dict[str, float]] = None) -> Iterator[None]:
-    """Make ``mask`` the selection seen by ``kl_cov_global`` / ``clip_cov_global`` loss calls inside this block.
+    """Make ``mask`` the selection seen by every global mode's loss call inside this block.
 
     Args:
         mask: bool (batch, response_len), aligned with the ``response_mask`` the
             loss will receive (the micro-batch's slice of the minibatch mask).
-        figures: optional scalar figures of the selection (``KLCovSelection.figures`` /
-            ``ClipCovSelection.figures``), reported by the loss under its metric prefix
-            (``actor/kl_cov/`` / ``actor/clip_cov/``).
+        figures: optional scalar figures of the selection (``Selection.figures()``), reported
+            by the loss under its mode's metric prefix (e.g. ``actor/kl_cov/``).
     """
     token = _CURRENT_MASK.set(_ProvidedMask(mask=mask, figures=dict(figures or {})))
     try:
@@ -105,15 +98,12 @@ def provide_selection_mask(mask: torch.Tensor, figures: Optional[dict[str, float
         _CURRENT_MASK.reset(token)
 
 
-#: The channel's first name, kept for callers written for kl_cov_global alone.
-provide_kl_cov_mask = provide_selection_mask
-
-
-def _current_mask(response_mask: torch.Tensor, loss_mode: str = LOSS_MODE) -> _ProvidedMask:
+def _current_mask(response_mask: torch.Tensor, loss_mode: str,
+                  no_mask_error: type[SelectionMaskUnavailableError]) -> _ProvidedMask:
     provided = _CURRENT_MASK.get()
     if provided is None:
         cause = "" if _HOOK_INSTALL_ERROR is None else f" The hook failed to install in this process: {_HOOK_INSTALL_ERROR!r}."
-        raise _NO_MASK_ERRORS[loss_mode](_NO_MASK_MESSAGE.format(mode=loss_mode) + cause)
+        raise no_mask_error(_NO_MASK_MESSAGE.format(mode=loss_mode) + cause)
     mask = provided.mask
     if mask.shape != response_mask.shape:
         raise ValueError(
@@ -126,94 +116,85 @@ def _current_mask(response_mask: torch.Tensor, loss_mode: str = LOSS_MODE) -> _P
     return _ProvidedMask(mask=mask, figures=provided.figures)
 
 
-@register_policy_loss(LOSS_MODE)
-def compute_policy_loss_kl_cov_global(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """verl's ``kl_cov`` objective on a mask selected over the whole minibatch.
+#: ``objective(old_log_prob, log_prob, advantages, response_mask, mask, settings) -> (per-token losses, metrics)``:
+#: a mode's per-token loss on a given (batch, response_len) bool selection ``mask``, before
+#: ``rollout_is_weights`` and aggregation; ``metrics`` are verl's own names (``actor/ppo_kl`` ...).
+Objective = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
-    All tensors are (batch, response_len) for one micro-batch. Per token:
-    ``-A * r`` with ``r = exp(logp - old_logp)``, plus ``ppo_kl_coef * |logp - old_logp|``
-    where the provided mask is set; times ``rollout_is_weights`` when given;
-    aggregated with ``agg_loss(..., loss_agg_mode, **config.global_batch_info)``.
-    No PPO clipping, exactly like ``kl_cov`` (verl 0.9.1 core_algos.py ~1848).
 
-    Returns ``(pg_loss, metrics)`` with ``actor/ppo_kl`` (masked mean |log-ratio|,
-    as ``kl_cov`` reports it), ``actor/kl_cov/selected_in_micro_batch`` and the
-    selection figures under ``actor/kl_cov/``.
+def global_policy_loss(mode: Any) -> Callable[..., tuple[torch.Tensor, dict[str, Any]]]:
+    """The policy-loss function verl registers for ``mode`` (a :class:`verl_klcov_global.modes.ModeSpec`).
+
+    Its arguments are those of every verl policy loss (``ppo_loss`` passes them by keyword); all
+    tensors are (batch, response_len) for one micro-batch. It reads ``mode.read_settings(config)``,
+    takes the micro-batch's mask from :func:`provide_selection_mask` (else raises
+    ``mode.no_mask_error``), applies ``mode.objective``, multiplies by ``rollout_is_weights`` when
+    given and aggregates with ``agg_loss(..., loss_agg_mode, **config.global_batch_info)``.
+
+    Returns ``(pg_loss, metrics)``: the objective's metrics, ``<prefix>selected_in_micro_batch``
+    (tokens of this micro-batch's mask) and the selection figures under ``mode.metric_prefix``.
     """
-    settings = read_settings(config)
-    provided = _current_mask(response_mask)
+
+    def compute_policy_loss(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        settings = mode.read_settings(config)
+        provided = _current_mask(response_mask, mode.name, mode.no_mask_error)
+        pg_losses, metrics = mode.objective(old_log_prob, log_prob, advantages, response_mask, provided.mask,
+                                            settings)
+        if rollout_is_weights is not None:
+            pg_losses = pg_losses * rollout_is_weights
+        pg_loss = agg_loss(
+            loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
+        )
+        prefix = mode.metric_prefix
+        metrics[f"{prefix}selected_in_micro_batch"] = float(provided.mask.sum().item())
+        metrics.update({f"{prefix}{name}": float(value) for name, value in provided.figures.items()})
+        return pg_loss, metrics
+
+    name = f"compute_policy_loss_{mode.name}"
+    compute_policy_loss.__name__ = compute_policy_loss.__qualname__ = name
+    compute_policy_loss.__doc__ = f"verl policy loss ``{mode.name}``: see :func:`global_policy_loss`."
+    return compute_policy_loss
+
+
+def kl_cov_objective(old_log_prob, log_prob, advantages, response_mask, mask, settings):
+    """verl's ``kl_cov`` per-token loss (verl 0.9.1 core_algos.py ~1848) on ``mask``.
+
+    ``-A * r`` with ``r = exp(logp - old_logp)``, plus ``settings.ppo_kl_coef * |logp - old_logp|``
+    where ``mask`` is set. No PPO clipping, exactly like ``kl_cov``. Metric ``actor/ppo_kl``
+    (masked mean |log-ratio|, as ``kl_cov`` reports it).
+    """
     negative_approx_kl = log_prob - old_log_prob
     abs_kl = negative_approx_kl.abs()
     ratio = torch.exp(negative_approx_kl)
     pg_losses = -advantages * ratio
     pg_losses_kl = pg_losses + settings.ppo_kl_coef * abs_kl
-    pg_losses = torch.where(provided.mask, pg_losses_kl, pg_losses)
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights
-
-    pg_loss = agg_loss(
-        loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
-    )
-    metrics = {
-        "actor/ppo_kl": verl_F.masked_mean(abs_kl, response_mask).detach().item(),
-        f"{METRIC_PREFIX}selected_in_micro_batch": float(provided.mask.sum().item()),
-    }
-    metrics.update({f"{METRIC_PREFIX}{name}": float(value) for name, value in provided.figures.items()})
-    return pg_loss, metrics
+    pg_losses = torch.where(mask, pg_losses_kl, pg_losses)
+    return pg_losses, {"actor/ppo_kl": verl_F.masked_mean(abs_kl, response_mask).detach().item()}
 
 
-@register_policy_loss(CLIP_COV_LOSS_MODE)
-def compute_policy_loss_clip_cov_global(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """verl's ``clip_cov`` objective on a mask selected over the whole minibatch.
+def clip_cov_objective(old_log_prob, log_prob, advantages, response_mask, mask, settings):
+    """verl's ``clip_cov`` per-token loss (verl 0.9.1 core_algos.py ~1744) with its random selection replaced by ``mask``.
 
-    All tensors are (batch, response_len) for one micro-batch. Per token, with
-    ``r = exp(logp - old_logp)``: ``max(-A r, -A clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``,
-    times ``corr = 0`` where the provided mask is set (1 elsewhere; those tokens still count
-    in the aggregation's denominators); times ``rollout_is_weights`` when given; aggregated
-    with ``agg_loss(..., loss_agg_mode, **config.global_batch_info)``. Exactly ``clip_cov``
-    (verl 0.9.1 core_algos.py ~1744) with its per-micro-batch random selection replaced.
-
-    Returns ``(pg_loss, metrics)`` with ``actor/pg_clipfrac`` (masked mean of ``corr == 0``)
-    and ``actor/ppo_kl`` (masked mean of ``old_logp - logp``) as ``clip_cov`` reports them,
-    ``actor/clip_cov/selected_in_micro_batch`` and the selection figures under ``actor/clip_cov/``.
+    With ``r = exp(logp - old_logp)``: ``max(-A r, -A clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``,
+    times ``corr = 0`` where ``mask`` is set (1 elsewhere; those tokens still count in the
+    aggregation's denominators). Metrics ``actor/pg_clipfrac`` (masked mean of ``corr == 0``) and
+    ``actor/ppo_kl`` (masked mean of ``old_logp - logp``), as ``clip_cov`` reports them.
     """
-    settings = read_clip_cov_settings(config)
-    provided = _current_mask(response_mask, CLIP_COV_LOSS_MODE)
     negative_approx_kl = log_prob - old_log_prob
     ratio = torch.exp(negative_approx_kl)
     ppo_kl = verl_F.masked_mean(-negative_approx_kl, response_mask)
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1 - settings.clip_ratio_low, 1 + settings.clip_ratio_high)
     corr = torch.ones_like(advantages)
-    corr[provided.mask] = 0
+    corr[mask] = 0
     pg_clipfrac = verl_F.masked_mean((corr == 0).float(), response_mask)
     pg_losses = torch.maximum(pg_losses1, pg_losses2) * corr
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights
-
-    pg_loss = agg_loss(
-        loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
-    )
-    metrics = {
-        "actor/pg_clipfrac": pg_clipfrac.detach().item(),
-        "actor/ppo_kl": ppo_kl.detach().item(),
-        f"{CLIP_COV_METRIC_PREFIX}selected_in_micro_batch": float(provided.mask.sum().item()),
-    }
-    metrics.update({f"{CLIP_COV_METRIC_PREFIX}{name}": float(value) for name, value in provided.figures.items()})
-    return pg_loss, metrics
+    return pg_losses, {"actor/pg_clipfrac": pg_clipfrac.detach().item(), "actor/ppo_kl": ppo_kl.detach().item()}

@@ -1,22 +1,21 @@
-"""Loss mode -> its settings reader, the minibatch fields its selection reads, and its selection.
+"""The table of loss modes: one :class:`ModeSpec` per global loss mode; everything else asks it.
 
-The prepass hook (``hook.py``) is the same for every global loss mode: one no-grad forward
-of the optimizer minibatch, then ``mode.select(log_probs, data, settings, group)``, then the
-mask travels to the micro-batches. What differs per mode lives here:
+A mode is its name, verl's per-micro-batch counterpart, the metric prefix, the knobs and
+their validating reader, the minibatch fields its selection reads, the selection, the
+per-token objective, the config class, the error raised without a mask. Registration
+(:mod:`.plugin`), the driver's checks (:mod:`.driver`), the engine's prepass and step
+(:mod:`.engine`), the loss (:mod:`.loss`), ``diagnose`` and the CLI all read :data:`MODES`;
+none names a mode itself. Adding a mode = one selection function + one :func:`register_mode`
+call (``docs/ADDING_A_MODE.md``).
 
-* ``kl_cov_global``: advantages, prepass log-probs, ``response_mask`` ->
-  :func:`.selection.select_kl_cov_tokens`;
-* ``clip_cov_global``: the same plus ``old_log_probs`` and the sequences' token ids
-  (``input_ids``, hashed for the reproducible draw) -> :func:`.selection.select_clip_cov_tokens`.
-
-Minibatch layouts (verl 0.9.1): response-level fields are nested (v1 trainer) or padded
-(legacy trainer); :func:`padded` reads both. ``input_ids`` is nested prompt + response
-(both trainers); a padded ``input_ids`` (B, L) is read with ``attention_mask`` when the
-batch has one.
+The prepass is the same for every mode: one no-grad forward of the optimizer minibatch, then
+``mode.select(fields, settings, group)`` on the :class:`~.layout.MinibatchFields` that
+:meth:`ModeSpec.read_minibatch` reads, then the mask travels to the micro-batches.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
@@ -25,24 +24,29 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from .config import (
-    CLIP_COV_LOSS_MODE,
-    CLIP_COV_METRIC_PREFIX,
-    LOSS_MODE,
-    METRIC_PREFIX,
-    global_loss_mode,
+    ClipCovGlobalPolicyLossConfig,
+    KLCovGlobalPolicyLossConfig,
+    loss_mode_of,
     read_clip_cov_settings,
-    read_settings,
+    read_kl_cov_settings,
 )
-from .selection import select_clip_cov_tokens, select_kl_cov_tokens
+from .layout import MinibatchFields, read_fields
+from .loss import (
+    ClipCovMaskUnavailableError,
+    KLCovMaskUnavailableError,
+    Objective,
+    SelectionMaskUnavailableError,
+    clip_cov_objective,
+    global_policy_loss,
+    kl_cov_objective,
+)
+from .selection import kl_cov_quota, select_clip_cov_tokens, select_kl_cov_tokens
 
-__all__ = [
-    "GlobalLossMode", "Selection", "KL_COV", "CLIP_COV", "MODES", "global_mode_of", "padded", "fit_width",
-    "sequence_token_ids",
-]
+__all__ = ["CLIP_COV", "KL_COV", "MODES", "ModeSpec", "Selection", "global_mode_of", "register_mode"]
 
 
 class Selection(Protocol):
-    """What the hook needs of a selection result (``KLCovSelection``, ``ClipCovSelection``)."""
+    """What the engine needs of a selection result (``KLCovSelection``, ``ClipCovSelection``, ...)."""
 
     mask: torch.Tensor  # (batch, response_len) bool, this rank's minibatch in its original order
     quota: int
@@ -51,94 +55,138 @@ class Selection(Protocol):
     def figures(self) -> dict[str, float]: ...
 
 
-@dataclass(frozen=True)
-class GlobalLossMode:
-    """One global loss mode as the hook sees it.
+#: ``select(fields, settings, group) -> Selection``: one selection over this rank's minibatch and ``group``.
+SelectFn = Callable[[MinibatchFields, Any, Optional[dist.ProcessGroup]], Selection]
 
-    ``read_settings(actor_config)`` validates the knobs (the result has ``prepass_layout``);
-    ``select(log_probs, data, settings, group)`` makes the selection from the prepass's
-    (batch, width) log-probs and the minibatch ``data``; figures and timings are logged
-    under ``metric_prefix``.
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """One global loss mode.
+
+    * ``name``: the ``policy_loss.loss_mode`` value; ``upstream``: verl's per-micro-batch
+      counterpart (what ``diagnose`` compares with; None if verl has none);
+    * ``metric_prefix``: every metric of the mode is ``<metric_prefix><name>``;
+    * ``knobs``: the ``policy_loss`` keys the mode reads (``plugin_knobs``: those only its
+      ``config_class`` has, not verl's ``PolicyLossConfig``); ``read_settings(actor_config)``
+      validates them and returns the settings (with ``prepass_layout``), raising ``ValueError``
+      that names the key to change;
+    * ``response_fields`` / ``sequence_fields``: the minibatch fields ``select`` reads;
+    * ``select``: the selection; ``objective``: the per-token loss on its mask (:mod:`.loss`);
+    * ``config_class``: the dataclass users select with ``policy_loss._target_`` (its
+      ``loss_mode`` default is ``name``), or None;
+    * ``no_mask_error``: raised by the loss when it gets no mask;
+    * ``count_upstream_selected(num_valid, policy_loss, metrics)``: the tokens ``upstream``
+      selected in one micro-batch of ``num_valid`` tokens, from its policy-loss config and
+      ``ppo_loss``'s metrics (what ``diagnose`` reports for it), or None;
+    * ``draws_at_random``: upstream draws its tokens at random (``diagnose`` repeats an update
+      with the generators in another state to show it); ``diagnose_train_layout``: ``diagnose``
+      also runs the mode with ``prepass_layout=train``.
     """
 
     name: str
+    upstream: Optional[str]
     metric_prefix: str
+    knobs: tuple[str, ...]
     read_settings: Callable[[Any], Any]
-    select: Callable[[torch.Tensor, TensorDict, Any, Optional[dist.ProcessGroup]], Selection]
+    response_fields: tuple[str, ...]
+    select: SelectFn
+    objective: Objective
+    no_mask_error: type[SelectionMaskUnavailableError] = SelectionMaskUnavailableError
+    sequence_fields: tuple[str, ...] = ()
+    config_class: Optional[type] = None
+    plugin_knobs: tuple[str, ...] = ("prepass_layout",)
+    count_upstream_selected: Optional[Callable[[int, Any, dict], int]] = None
+    draws_at_random: bool = False
+    diagnose_train_layout: bool = False
+
+    def __repr__(self) -> str:
+        return f"ModeSpec({self.name!r})"
+
+    def __post_init__(self):
+        if self.config_class is not None and getattr(self.config_class, "loss_mode", None) != self.name:
+            raise ValueError(f"{self.config_class.__name__}.loss_mode must default to {self.name!r}")
+
+    @functools.cached_property
+    def policy_loss(self) -> Callable:
+        """The function registered in verl's ``POLICY_LOSS_REGISTRY`` under ``name`` (:func:`.loss.global_policy_loss`)."""
+        return global_policy_loss(self)
+
+    def read_minibatch(self, log_probs: torch.Tensor, data: TensorDict) -> MinibatchFields:
+        """The fields this mode's selection reads from ``data``, dense, next to the (batch, width) ``log_probs``."""
+        return read_fields(log_probs, data, self.response_fields, self.sequence_fields, reader=self.name)
+
+    def select_minibatch(self, log_probs: torch.Tensor, data: TensorDict, settings: Any,
+                         group: Optional[dist.ProcessGroup]) -> Selection:
+        """:meth:`read_minibatch`, then :attr:`select`: the whole selection of one optimizer step."""
+        return self.select(self.read_minibatch(log_probs, data), settings, group)
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading the minibatch
+#: Every global loss mode, by name (insertion order: the order ``diagnose`` runs them).
+MODES: dict[str, ModeSpec] = {}
 
 
-def padded(tensor: torch.Tensor) -> torch.Tensor:
-    """(batch, max_len) dense view of a jagged nested or already padded per-token field."""
-    return tensor.to_padded_tensor(0) if tensor.is_nested else tensor
+def register_mode(mode: ModeSpec) -> ModeSpec:
+    """Add ``mode`` to :data:`MODES` (a mode already there under its name is replaced); returns it.
 
-
-def fit_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """Cut or zero-pad dim 1 of a (batch, len) tensor to ``width``."""
-    if tensor.shape[1] >= width:
-        return tensor[:, :width]
-    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]))
-
-
-def _response_fields(log_probs: torch.Tensor, data: TensorDict, *keys: str) -> list[torch.Tensor]:
-    """``response_mask``, then ``keys``, padded, on the log-probs' device; plus the log-probs at their width."""
-    response_mask = padded(data["response_mask"]).to(log_probs.device)
-    fields = [padded(data[key]).to(log_probs.device) for key in keys]
-    return [response_mask, fit_width(log_probs, response_mask.shape[1]), *fields]
-
-
-def sequence_token_ids(data: TensorDict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(batch, length) token ids of each whole sequence (prompt + response) and its real-token mask.
-
-    From ``input_ids``: nested -> padded with the row lengths as mask; padded -> its
-    ``attention_mask`` when present (else every position is real).
+    The plugin registers every mode of the table in verl's registry when it installs
+    (:func:`verl_klcov_global.plugin.install`); call that again after adding a mode later.
     """
-    if "input_ids" not in data.keys():
-        raise KeyError(
-            "clip_cov_global needs the minibatch's `input_ids` (prompt + response token ids) to draw its tokens "
-            "reproducibly; verl 0.9.1's trainers always send it to the actor update. The minibatch has "
-            f"{sorted(data.keys())}"
-        )
-    ids = data["input_ids"]
-    if ids.is_nested:
-        lengths = ids.offsets().diff()
-        dense = ids.to_padded_tensor(0)
-        positions = torch.arange(dense.shape[1], device=dense.device)
-        return dense, positions.unsqueeze(0) < lengths.to(dense.device).unsqueeze(1)
-    mask = padded(data["attention_mask"]).bool() if "attention_mask" in data.keys() else None
-    return ids, mask
+    MODES[mode.name] = mode
+    return mode
+
+
+def unregister_mode(name: str) -> None:
+    """Remove a mode from :data:`MODES` (for tests that add one)."""
+    MODES.pop(name, None)
+
+
+def global_mode_of(actor_config: Any) -> Optional[ModeSpec]:
+    """The :class:`ModeSpec` an actor config (verl ``ActorConfig`` or a mapping like it) selects, else None."""
+    return MODES.get(loss_mode_of(actor_config))
 
 
 # ---------------------------------------------------------------------------------------------
 # The modes
 
 
-def _select_kl_cov(log_probs: torch.Tensor, data: TensorDict, settings, group) -> Selection:
-    response_mask, log_probs, advantages = _response_fields(log_probs, data, "advantages")
-    return select_kl_cov_tokens(advantages, log_probs, response_mask, settings.kl_cov_ratio, group=group)
+def _select_kl_cov(fields: MinibatchFields, settings, group) -> Selection:
+    return select_kl_cov_tokens(fields.response["advantages"], fields.log_probs, fields.response_mask,
+                                settings.kl_cov_ratio, group=group)
 
 
-def _select_clip_cov(log_probs: torch.Tensor, data: TensorDict, settings, group) -> Selection:
-    response_mask, log_probs, advantages, old_log_probs = _response_fields(
-        log_probs, data, "advantages", "old_log_probs")
-    token_ids, token_mask = sequence_token_ids(data)  # may stay on the host: the selection moves what it hashes
+def _select_clip_cov(fields: MinibatchFields, settings, group) -> Selection:
+    token_ids, token_mask = fields.sequence["input_ids"]  # hashed for the reproducible draw
     return select_clip_cov_tokens(
-        advantages, log_probs, old_log_probs, response_mask, token_ids, token_mask=token_mask,
+        fields.response["advantages"], fields.log_probs, fields.response["old_log_probs"], fields.response_mask,
+        token_ids, token_mask=token_mask,
         clip_cov_ratio=settings.clip_cov_ratio, clip_cov_lb=settings.clip_cov_lb, clip_cov_ub=settings.clip_cov_ub,
         clip_ratio_low=settings.clip_ratio_low, clip_ratio_high=settings.clip_ratio_high,
         seed=settings.clip_cov_seed, group=group,
     )
 
 
-KL_COV = GlobalLossMode(LOSS_MODE, METRIC_PREFIX, read_settings, _select_kl_cov)
-CLIP_COV = GlobalLossMode(CLIP_COV_LOSS_MODE, CLIP_COV_METRIC_PREFIX, read_clip_cov_settings, _select_clip_cov)
-MODES = {mode.name: mode for mode in (KL_COV, CLIP_COV)}
+def _count_kl_cov(num_valid: int, policy_loss, metrics: dict) -> int:
+    return kl_cov_quota(num_valid, policy_loss.kl_cov_ratio)  # upstream selects exactly its quota
 
 
-def global_mode_of(actor_config: Any) -> Optional[GlobalLossMode]:
-    """The :class:`GlobalLossMode` an actor config selects, or None for every other loss mode."""
-    name = global_loss_mode(actor_config)
-    return None if name is None else MODES[name]
+def _count_clip_cov(num_valid: int, policy_loss, metrics: dict) -> int:
+    clipfrac = metrics["actor/pg_clipfrac"]  # masked mean of clip_cov's zeroed-gradient indicator
+    clipfrac = clipfrac.values[0] if hasattr(clipfrac, "values") else clipfrac
+    return round(float(clipfrac) * num_valid)
+
+
+KL_COV = register_mode(ModeSpec(
+    name="kl_cov_global", upstream="kl_cov", metric_prefix="actor/kl_cov/",
+    knobs=("kl_cov_ratio", "ppo_kl_coef", "prepass_layout"), read_settings=read_kl_cov_settings,
+    response_fields=("advantages",), select=_select_kl_cov, objective=kl_cov_objective,
+    no_mask_error=KLCovMaskUnavailableError, config_class=KLCovGlobalPolicyLossConfig,
+    count_upstream_selected=_count_kl_cov, diagnose_train_layout=True,
+))
+CLIP_COV = register_mode(ModeSpec(
+    name="clip_cov_global", upstream="clip_cov", metric_prefix="actor/clip_cov/",
+    knobs=("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "clip_cov_seed", "prepass_layout"),
+    plugin_knobs=("clip_cov_seed", "prepass_layout"), read_settings=read_clip_cov_settings,
+    response_fields=("advantages", "old_log_probs"), sequence_fields=("input_ids",), select=_select_clip_cov,
+    objective=clip_cov_objective, no_mask_error=ClipCovMaskUnavailableError,
+    config_class=ClipCovGlobalPolicyLossConfig, count_upstream_selected=_count_clip_cov, draws_at_random=True,
+))

@@ -8,7 +8,7 @@ patch is applied or any loss is registered.
 
 What is checked (names, signatures, dataclass fields; no verl source text):
 
-* the prepass hook's target and the engine calls it makes (``hook.py``):
+* the prepass hook's target and the engine calls it makes (``engine/``):
   ``BaseEngine.train_batch(self, data, loss_function)``, ``infer_batch``, ``optimizer_zero_grad``,
   ``get_data_parallel_group``, ``to(device, model, optimizer, grad)``; ``FSDPEngineWithLMHead``
   inherits ``train_batch`` from ``BaseEngine``; the engine config fields the prepass reads;
@@ -16,7 +16,7 @@ What is checked (names, signatures, dataclass fields; no verl source text):
   ``POLICY_LOSS_REGISTRY``, ``register_policy_loss``, ``get_policy_loss_fn``, ``agg_loss`` and the
   argument names of upstream ``kl_cov`` / ``clip_cov`` (the plugin's losses take the same);
 * the config fields the plugin reads (``config.py``): ``PolicyLossConfig`` and ``ActorConfig``;
-* the helpers used on the minibatch (``hook.py``, ``modes.py``): ``no_padding_2_padding``,
+* the helpers used on the minibatch (``engine/``, ``layout.py``): ``no_padding_2_padding``,
   ``tensordict_utils``, ``Metric`` / ``AggregationType``, ``logprobs_from_logits_v2`` (PATCH
   ``prepass_batched_logsumexp``), ``masked_mean``, ``get_device_name`` / ``get_device_id``;
 * ``verl.utils.config.validate_config(config, use_reference_policy, use_critic)`` (patched in the driver).
@@ -149,7 +149,7 @@ _BASE = "verl.workers.engine.base"
 
 #: Every seam, in the order the plugin meets them.
 SEAMS: tuple[Seam, ...] = (
-    # hook.py: PATCH train_batch_prepass and the engine calls around it
+    # engine/: PATCH train_batch_prepass and the engine calls around it
     Seam("verl.workers.engine.base.BaseEngine.train_batch(self, data, loss_function)",
          _signature(_BASE, "BaseEngine.train_batch", ["self", "data", "loss_function"])),
     Seam("verl.workers.engine.base.BaseEngine.infer_batch(self, data, loss_function, ...)",

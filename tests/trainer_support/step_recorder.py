@@ -5,7 +5,7 @@ When ``KLCOV_STEP_RECORD_DIR`` is set, :func:`install` wraps verl 0.9.1's
 the plugin's entry point wraps it, so this wrapper runs inside the plugin's: after the prepass,
 on the very minibatch the optimizer step trains on. Each call appends one JSON line to
 ``<dir>/steps-<pid>.jsonl``: the process, its rank, the minibatch's row count and how many tokens
-the per-token field ``kl_cov_global_mask`` marks (``null`` when the field is absent, i.e. no
+the per-token field ``global_selection_mask`` marks (``null`` when the field is absent, i.e. no
 prepass ran for this step).
 
 Nothing of the plugin is imported here: the mask is recognised by its field name, so the test's
@@ -20,7 +20,7 @@ import os
 import time
 
 RECORD_DIR_ENV = "KLCOV_STEP_RECORD_DIR"
-MASK_KEY = "kl_cov_global_mask"  # verl_klcov_global.config.MASK_KEY, by name
+MASK_KEY = "global_selection_mask"  # verl_klcov_global.config.MASK_FIELD, by name
 _MARK = "__trainer_support_step_recorder__"
 
 

@@ -2,7 +2,7 @@
 
 ``ObservedActorRolloutRefWorker`` is verl 0.9.1's ``ActorRolloutRefWorker``, unchanged, plus:
 
-* it enters ``verl_klcov_global.hook.observe_selections`` for its whole life, so every prepass
+* it enters ``verl_klcov_global.step.observe_selections`` for its whole life, so every prepass
   the hook runs in this process is recorded (process id, rows, quota, selected count, the
   prepass's duration);
 * ``prepass_records()`` returns them (one list per worker) and ``reset_prepass_records()``
@@ -19,7 +19,7 @@ import os
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from verl_klcov_global import hook
+from verl_klcov_global.engine import patches as engine_patches, step as engine_step
 
 
 class ObservedActorRolloutRefWorker(ActorRolloutRefWorker):
@@ -27,7 +27,7 @@ class ObservedActorRolloutRefWorker(ActorRolloutRefWorker):
         super().__init__(*args, **kwargs)
         self._prepasses: list[dict] = []
         self._observing = contextlib.ExitStack()
-        self._observing.enter_context(hook.observe_selections(self._record_prepass))
+        self._observing.enter_context(engine_step.observe_selections(self._record_prepass))
 
     def _record_prepass(self, engine, result) -> None:
         selection = result.selection
@@ -52,12 +52,12 @@ class ObservedActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def hook_installed(self) -> bool:
-        return hook.is_hook_installed()
+        return engine_patches.is_hook_installed()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def uninstall_hook(self) -> None:
-        hook.uninstall_hook()
+        engine_patches.uninstall_hook()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def install_hook(self) -> None:
-        hook.install_hook()
+        engine_patches.install_hook()

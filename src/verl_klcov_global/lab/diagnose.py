@@ -31,7 +31,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Iterator, Optional
 
-INVARIANCE_FACTOR = 10.0  # kl_cov_global must stay within this many times the control's noise floor
+INVARIANCE_FACTOR = 10.0  # a global mode must stay within this many times the control's noise floor
 
 
 class DiagnoseError(ValueError):
@@ -88,9 +88,6 @@ class DiagnoseOptions:
 
 def validate(options: DiagnoseOptions) -> DiagnoseOptions:
     """Check every option up front; raise :class:`DiagnoseError` saying what to change."""
-    from ..config import validate_ppo_kl_coef
-    from ..selection import validate_kl_cov_ratio
-
     if options.model is not None:
         if not os.path.isdir(options.model):
             raise DiagnoseError(f"--model {options.model!r}: no such directory (give a local HF checkpoint folder)")
@@ -112,8 +109,12 @@ def validate(options: DiagnoseOptions) -> DiagnoseOptions:
             f"--loss-mode {options.loss_mode!r} is not a mode this plugin registered; choose all or one of "
             f"{registered_global_modes()}"
         )
+    from ..modes import MODES
+
     try:
-        _clip_cov_policy_loss(options, "clip_cov_global")  # validates the Clip-Cov knobs
+        for mode, spec in MODES.items():  # each mode's config class validates its knobs and the actor fields
+            if spec.config_class is not None:
+                _actor_config(options, mode)
     except ValueError as error:
         raise DiagnoseError(str(error)) from None
     if options.strategy not in ("fsdp", "fsdp2"):
@@ -143,12 +144,6 @@ def validate(options: DiagnoseOptions) -> DiagnoseOptions:
             f"--layout static needs --micro-batches to divide --batch-size ({options.batch_size}); "
             f"got {options.micro_batches}. Use --layout dynamic or another count"
         )
-    try:
-        validate_kl_cov_ratio(options.kl_cov_ratio)
-        validate_ppo_kl_coef(options.ppo_kl_coef)
-        _actor_config(options, "kl_cov_global")  # the actor fields (clip range, aggregation, prepass layout)
-    except ValueError as error:
-        raise DiagnoseError(str(error)) from None
     if options.json_path is not None:
         folder = os.path.dirname(os.path.abspath(options.json_path))
         if not os.path.isdir(folder):
@@ -185,37 +180,30 @@ def global_modes_of(options: DiagnoseOptions) -> tuple[str, ...]:
     return registered_global_modes() if options.loss_mode == "all" else (options.loss_mode,)
 
 
-def _clip_cov_policy_loss(options: DiagnoseOptions, mode: str):
-    """verl's PolicyLossConfig (``clip_cov``) or the plugin's config class (``clip_cov_global``) with the knobs."""
+def _actor_config(options: DiagnoseOptions, mode: str):
+    """verl's FSDPActorConfig of ``mode`` with the options' loss knobs, aggregation and clip range.
+
+    A mode of the table (or its ``[prepass=train]`` variant) gets its ``config_class`` with its
+    knobs; its upstream counterpart verl's ``PolicyLossConfig`` with the knobs verl has.
+    """
     from verl.workers.config import PolicyLossConfig
 
-    from ..config import ClipCovGlobalPolicyLossConfig
-
-    knobs = dict(clip_cov_ratio=options.clip_cov_ratio, clip_cov_lb=options.clip_cov_lb,
-                 clip_cov_ub=options.clip_cov_ub)
-    if mode == "clip_cov_global":
-        return ClipCovGlobalPolicyLossConfig(loss_mode=mode, clip_cov_seed=options.clip_cov_seed, **knobs)
-    return PolicyLossConfig(loss_mode=mode, **knobs)
-
-
-def _actor_config(options: DiagnoseOptions, mode: str):
-    """verl's FSDPActorConfig of ``mode`` with the options' loss knobs, aggregation and clip range."""
     from . import tiny as _tiny
-    from ..config import KLCovGlobalPolicyLossConfig
-    from .experiment import TRAIN_LAYOUT_MODE
+    from .experiment import upstream_counts, variant_of
 
     actor = {name: getattr(options, name) for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high",
                                                        "clip_ratio_c", "loss_scale_factor")
              if getattr(options, name) is not None}
     actor["loss_agg_mode"] = options.loss_agg_mode
-    if mode in (TRAIN_LAYOUT_MODE, "kl_cov_global"):
-        layout = "train" if mode == TRAIN_LAYOUT_MODE else options.prepass_layout
-        policy_loss = KLCovGlobalPolicyLossConfig(
-            kl_cov_ratio=options.kl_cov_ratio, ppo_kl_coef=options.ppo_kl_coef, prepass_layout=layout
-        )
+    spec, forced_layout = variant_of(mode)
+    if spec is not None:
+        knobs = {key: getattr(options, key) for key in spec.knobs if key != "prepass_layout"}
+        policy_loss = spec.config_class(prepass_layout=forced_layout or options.prepass_layout, **knobs)
         return _tiny.make_actor_config(policy_loss=policy_loss, **actor)
-    if mode.startswith("clip_cov"):
-        return _tiny.make_actor_config(policy_loss=_clip_cov_policy_loss(options, mode), **actor)
+    counts = upstream_counts(mode)
+    if counts is not None:
+        knobs = {key: getattr(options, key) for key in counts.knobs if key not in counts.plugin_knobs}
+        return _tiny.make_actor_config(policy_loss=PolicyLossConfig(loss_mode=mode, **knobs), **actor)
     return _tiny.make_actor_config(loss_mode=mode, kl_cov_ratio=options.kl_cov_ratio,
                                    ppo_kl_coef=options.ppo_kl_coef, **actor)
 
@@ -245,7 +233,8 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
     import torch
 
     from . import tiny as _tiny
-    from .experiment import TRAIN_LAYOUT_MODE, EngineSpec, compared_modes, frozen_minibatch, run_block
+    from ..modes import MODES
+    from .experiment import TRAIN_LAYOUT_SUFFIX, EngineSpec, compared_modes, frozen_minibatch, run_block
 
     options = validate(options)
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -268,8 +257,9 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
 
         modes = tuple(dict.fromkeys(m for g in global_modes_of(options) for m in compared_modes(g)))
         if options.prepass_layout == "train" or not options.compare_prepass_layouts:
-            modes = tuple(m for m in modes if m != TRAIN_LAYOUT_MODE)
-        repeat_modes = tuple(m for m in modes if m.startswith("clip_cov"))
+            modes = tuple(m for m in modes if not m.endswith(TRAIN_LAYOUT_SUFFIX))
+        drawn = {name for spec in MODES.values() if spec.draws_at_random for name in (spec.name, spec.upstream)}
+        repeat_modes = tuple(m for m in modes if m in drawn)
         updates = 2 * len(modes) + len(repeat_modes)
 
         blocks = []

@@ -5,8 +5,9 @@ and one optimizer update from the same initial weights per (loss mode, layout).
 Comparing the parameters after the update between two layouts gives
 
 * for ``vanilla`` (no penalty): the floating-point noise floor of re-associating sums;
-* for ``kl_cov``: noise + the effect of per-micro-batch selection (#7829);
-* for ``kl_cov_global``: should stay at the noise floor.
+* for a mode's upstream counterpart (``ModeSpec.upstream``, e.g. ``kl_cov``): noise + the effect
+  of per-micro-batch selection (#7829);
+* for a global mode of the table (:data:`verl_klcov_global.modes.MODES`): should stay at the noise floor.
 
 Used by the tests and by ``verl-klcov-global diagnose``.
 """
@@ -22,39 +23,66 @@ from tensordict import TensorDict
 
 from . import cpu as _cpu
 from . import tiny as _tiny
-from ..hook import PrepassResult, largest_divisor_at_most, observe_selections
-from ..selection import kl_cov_quota
+from ..engine.prepass import PrepassResult
+from ..engine.step import observe_selections
+from ..modes import MODES, ModeSpec
 
-MODES = ("vanilla", "kl_cov", "kl_cov_global")
-#: kl_cov_global with the prepass in the training micro-batch layout (verl PR #7830's choice).
-TRAIN_LAYOUT_MODE = "kl_cov_global[prepass=train]"
-GLOBAL_SUFFIX = "_global"
+#: Appended to a global mode's name: that mode with the prepass in the training micro-batch layout
+#: (verl PR #7830's choice), e.g. ``kl_cov_global[prepass=train]``.
+TRAIN_LAYOUT_SUFFIX = "[prepass=train]"
 
 
 def registered_global_modes() -> tuple[str, ...]:
-    """The loss modes this plugin registered in verl's policy-loss registry (e.g. ``kl_cov_global``), sorted."""
+    """The modes of the table that verl's policy-loss registry holds (the plugin registered them), sorted."""
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
     import verl_klcov_global  # noqa: F401  (registers the plugin's modes)
 
-    ours = (name for name, fn in POLICY_LOSS_REGISTRY.items()
-            if getattr(fn, "__module__", "").split(".")[0] == "verl_klcov_global")
-    return tuple(sorted(ours))
+    return tuple(sorted(name for name, mode in MODES.items() if POLICY_LOSS_REGISTRY.get(name) is mode.policy_loss))
 
 
-def upstream_mode(global_mode: str) -> str:
-    """verl's per-micro-batch counterpart of a global mode: ``kl_cov_global`` -> ``kl_cov``."""
-    return global_mode.removesuffix(GLOBAL_SUFFIX)
+def upstream_mode(global_mode: str) -> Optional[str]:
+    """verl's per-micro-batch counterpart of a global mode (``ModeSpec.upstream``), e.g. ``kl_cov``."""
+    return MODES[global_mode].upstream
+
+
+def train_layout_mode(global_mode: str) -> str:
+    """The name of ``global_mode`` run with ``prepass_layout=train``."""
+    return global_mode + TRAIN_LAYOUT_SUFFIX
+
+
+def variant_of(mode: str) -> tuple[Optional[ModeSpec], Optional[str]]:
+    """``(mode of the table, prepass layout it forces or None)`` of a name run by the experiment, or ``(None, None)``.
+
+    ``kl_cov_global`` -> (its spec, None); ``kl_cov_global[prepass=train]`` -> (its spec, ``"train"``);
+    ``vanilla`` or an upstream mode -> (None, None).
+    """
+    if mode.endswith(TRAIN_LAYOUT_SUFFIX) and mode.removesuffix(TRAIN_LAYOUT_SUFFIX) in MODES:
+        return MODES[mode.removesuffix(TRAIN_LAYOUT_SUFFIX)], "train"
+    return MODES.get(mode), None
 
 
 def compared_modes(global_mode: str) -> tuple[str, ...]:
     """What diagnose runs for ``global_mode``: the control, verl's counterpart when registered, the mode
-    (and, for kl_cov_global, its prepass=train variant)."""
+    (and its prepass=train variant when ``ModeSpec.diagnose_train_layout``)."""
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-    upstream = upstream_mode(global_mode)
-    modes = ("vanilla",) + ((upstream,) if upstream in POLICY_LOSS_REGISTRY else ()) + (global_mode,)
-    return modes + ((TRAIN_LAYOUT_MODE,) if global_mode == "kl_cov_global" else ())
+    spec = MODES[global_mode]
+    modes = ("vanilla",) + ((spec.upstream,) if spec.upstream in POLICY_LOSS_REGISTRY else ()) + (global_mode,)
+    return modes + ((train_layout_mode(global_mode),) if spec.diagnose_train_layout else ())
+
+
+def upstream_counts(mode: str) -> Optional[ModeSpec]:
+    """The mode of the table whose ``upstream`` is ``mode`` (it knows how to count upstream's selected tokens)."""
+    return next((spec for spec in MODES.values() if spec.upstream == mode), None)
+
+
+def largest_divisor_at_most(rows: int, limit: int) -> int:
+    """The largest micro-batch size <= ``limit`` that divides ``rows`` (verl's static split needs a divisor).
+
+    The experiment's default training micro-batch size for a minibatch of ``rows`` sequences.
+    """
+    return max(size for size in range(1, max(1, min(rows, limit)) + 1) if rows % size == 0)
 
 
 @dataclass(frozen=True)
@@ -129,8 +157,8 @@ class UpdateOutcome:
     ``params``: float64 (P,) full parameter vector after the step.
     ``masks``: per optimizer step, the global mode's mask (batch, response_len) of this rank.
     ``figures``: per optimizer step, the global selection's figures (``Selection.figures()``).
-    ``selected_tokens``: tokens penalised (kl_cov_global / clip_cov_global: the global selection;
-    kl_cov: the sum of the per-micro-batch quotas; vanilla: 0).
+    ``selected_tokens``: tokens selected (a global mode: its global selection; an upstream mode:
+    the sum over micro-batches of ``ModeSpec.count_upstream_selected``; vanilla: 0).
     """
 
     params: torch.Tensor
@@ -141,18 +169,13 @@ class UpdateOutcome:
 
 
 def _counting_ppo_loss(counter: list, config, model_output, data, dp_group=None):
-    """verl's ppo_loss, counting the tokens kl_cov (its quota) or clip_cov (its clipped tokens) selects
-    in each micro-batch."""
+    """verl's ppo_loss, counting the tokens an upstream mode of the table selects in each micro-batch."""
     from verl.workers.utils.losses import ppo_loss
 
-    loss_mode = config.policy_loss.loss_mode
-    if loss_mode == "kl_cov":
-        counter.append(kl_cov_quota(int(data["response_mask"].sum()), config.policy_loss.kl_cov_ratio))
+    counts = upstream_counts(config.policy_loss.loss_mode)
     loss, metrics = ppo_loss(config, model_output, data, dp_group)
-    if loss_mode == "clip_cov":  # pg_clipfrac = masked mean of the zeroed-gradient indicator
-        clipfrac = metrics["actor/pg_clipfrac"]
-        clipfrac = clipfrac.values[0] if hasattr(clipfrac, "values") else clipfrac
-        counter.append(round(float(clipfrac) * int(data["response_mask"].sum())))
+    if counts is not None and counts.count_upstream_selected is not None:
+        counter.append(counts.count_upstream_selected(int(data["response_mask"].sum()), config.policy_loss, metrics))
     return loss, metrics
 
 
@@ -232,7 +255,7 @@ class ModeResult:
 
 
 def run_block(engine_spec: EngineSpec, batch: TensorDict, layouts: tuple[MicroBatchLayout, MicroBatchLayout],
-              actor_config_for: Callable[[str], Any], modes=MODES, repeat_modes=(),
+              actor_config_for: Callable[[str], Any], modes: tuple[str, ...], repeat_modes=(),
               progress: Callable[[str], None] = lambda message: None) -> dict[str, ModeResult]:
     """Run every mode under both layouts on the same frozen ``batch``.
 

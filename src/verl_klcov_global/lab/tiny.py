@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, TensorDict
 
-from ..hook import fit_width
+from ..layout import fit_width
 
 __all__ = [
     "TINY_MODEL_KWARGS",

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from .local_trainer import RunConfig, RunResult, run_local, run_spawned
+from verl_klcov_global.modes import MODES
 
 #: A global mode may differ between micro-batch sizes by at most this many times vanilla's difference.
 NOISE_FACTOR = 10.0
@@ -39,7 +40,7 @@ ACTOR_METRICS = ("actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "actor/entr
 #: over a run like vanilla's: it is reported, not required to be identical.)
 SELECTION_METRICS = ("quota", "selected", "clipped", "candidates", "valid_tokens", "nonfinite_tokens")
 THRESHOLD_METRIC = "actor/kl_cov/cov_threshold"
-METHODS = {"kl_cov": ("kl_cov", "kl_cov_global"), "clip_cov": ("clip_cov", "clip_cov_global")}
+METHODS = {spec.upstream: (spec.upstream, spec.name) for spec in MODES.values()}  # the mode table's pairs
 MICRO_BATCH_SIZES = (1, 4)
 PICTURE_STEPS = 6  # the command's default: longer curves than the test's 3 steps
 
@@ -74,7 +75,7 @@ def metric_differences(a: RunResult, b: RunResult, names: Sequence[str]) -> dict
 
 
 def selection_metric_names(result: RunResult) -> list[str]:
-    prefix = {"kl_cov_global": "actor/kl_cov/", "clip_cov_global": "actor/clip_cov/"}.get(result.config.loss_mode)
+    prefix = getattr(MODES.get(result.config.loss_mode), "metric_prefix", None)
     if prefix is None:
         return []
     return [prefix + n for n in SELECTION_METRICS if prefix + n in result.metrics[0]]

@@ -329,7 +329,7 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
         take("strategy", f"{ACTOR}.strategy", "fsdp2", source=SOURCE_DEFAULT, yours=strategy,
              note="diagnose drives verl's FSDP engine only")
         notes.append(f"strategy: {ACTOR}.strategy={strategy!r} is not verl's FSDP engine; the plugin supports "
-                     "fsdp/fsdp2 only (with another engine kl_cov_global raises UnsupportedEngineError at the first "
+                     "fsdp/fsdp2 only (with another engine a global mode raises UnsupportedEngineError at the first "
                      "step). diagnose goes on with fsdp2 and your micro-batching: what the plugin would do on FSDP.")
         strategy = "fsdp2"
     dtype_key = f"{ACTOR}.fsdp_config.mixed_precision.param_dtype"
@@ -350,11 +350,12 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
     # loss
     your_mode = r.get(f"{POLICY_LOSS}.loss_mode")
     if loss_mode is None:  # the plugin mode of the user's family, or every plugin mode
-        family = {"kl_cov": "kl_cov_global", "clip_cov": "clip_cov_global"}
-        loss_mode = family.get(str(your_mode).removesuffix("_global"), "all")
+        from ..modes import MODES
+
+        loss_mode = next((spec.name for spec in MODES.values() if your_mode in (spec.name, spec.upstream)), "all")
         take("modes diagnosed", f"{POLICY_LOSS}.loss_mode", loss_mode,
              yours=your_mode if your_mode != loss_mode else None,
-             note="with the upstream mode and vanilla; --loss-mode all|kl_cov_global|clip_cov_global to choose")
+             note=f"with the upstream mode and vanilla; --loss-mode {'|'.join(['all', *MODES])} to choose")
     else:
         fixed("modes diagnosed", loss_mode, source=SOURCE_OPTION)
     loss_agg_mode = take("loss_agg_mode", f"{ACTOR}.loss_agg_mode")

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from .collectives import agree_and_mean, all_reduce, select_largest_keys
 from .keys import MAX_SEED, sequence_hashes, token_keys
-from .knobs import ACTOR, finite_number, setting
+from .knobs import ACTOR, finite_number, ratio_quota, setting, validate_ratio
 
 __all__ = [
     "ClipCovSelection",
@@ -100,13 +100,7 @@ class ClipCovSelection:
 
 def validate_clip_cov_ratio(ratio: Any) -> float:
     """``ratio`` as float if it is a finite number in (0, 1], else ValueError."""
-    value = finite_number(ratio)
-    if value is None or not (0.0 < value <= 1.0):
-        raise ValueError(
-            f"clip_cov_ratio must be finite and in (0, 1], got {ratio!r}; "
-            + setting("clip_cov_ratio", "0.0002 (verl's default and the paper's Clip-Cov value)")
-        )
-    return value
+    return validate_ratio(ratio, "clip_cov_ratio", "0.0002 (verl's default and the paper's Clip-Cov value)")
 
 
 def validate_clip_cov_window(lb: Any, ub: Any) -> tuple[float, float]:
@@ -142,11 +136,8 @@ def validate_clip_ratio(value: Any, key: str) -> float:
     return number
 
 
-def clip_cov_quota(num_valid: int, ratio: float) -> int:
-    """Upstream clip_cov's quota ``max(int(ratio * num_valid), 1)``; 0 when there are no valid tokens."""
-    if num_valid <= 0:
-        return 0
-    return max(int(ratio * num_valid), 1)
+#: Upstream clip_cov's quota ``max(int(ratio * num_valid), 1)`` (0 without valid tokens); the same rule as kl_cov's.
+clip_cov_quota = ratio_quota
 
 
 def select_clip_cov_tokens(

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from .collectives import agree_and_mean, float_order_keys, key_to_float, select_largest_keys
-from .knobs import finite_number, setting
+from .knobs import ratio_quota, validate_ratio
 
 __all__ = ["KLCovSelection", "select_kl_cov_tokens", "kl_cov_quota", "validate_kl_cov_ratio"]
 
@@ -94,22 +94,13 @@ class KLCovSelection:
         return figures
 
 
-def validate_kl_cov_ratio(ratio: float) -> float:
+def validate_kl_cov_ratio(ratio: Any) -> float:
     """Return ``ratio`` as float if it is a finite number in (0, 1] (not a bool or a string), else raise ValueError."""
-    value = finite_number(ratio)
-    if value is None or not (0.0 < value <= 1.0):
-        raise ValueError(
-            f"kl_cov_ratio must be finite and in (0, 1], got {ratio!r}; "
-            + setting("kl_cov_ratio", "0.0002 (the paper's value for 32B) or =0.002 (7B)")
-        )
-    return value
+    return validate_ratio(ratio, "kl_cov_ratio", "0.0002 (the paper's value for 32B) or =0.002 (7B)")
 
 
-def kl_cov_quota(num_valid: int, ratio: float) -> int:
-    """Upstream kl_cov's quota ``max(1, int(num_valid * ratio))``; 0 when there are no valid tokens."""
-    if num_valid <= 0:
-        return 0
-    return max(1, int(num_valid * ratio))
+#: Upstream kl_cov's quota ``max(1, int(num_valid * ratio))`` (0 without valid tokens); the same rule as clip_cov's.
+kl_cov_quota = ratio_quota
 
 
 def select_kl_cov_tokens(

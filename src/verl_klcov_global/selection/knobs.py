@@ -1,7 +1,8 @@
 """Reading numeric knobs strictly: real numbers only; booleans and strings are rejected, never coerced.
 
 ``float(True)`` is 1.0 and ``float("0.1")`` is 0.1: a knob set to ``true`` or ``"0.1"`` would
-silently become a number. Every selection validates its knobs through these two helpers.
+silently become a number. Every selection validates its knobs through these helpers, and turns a
+ratio knob into a token quota with :func:`ratio_quota`.
 """
 
 from __future__ import annotations
@@ -30,3 +31,18 @@ def finite_number(value: Any) -> Optional[float]:
 def setting(key: str, example: str, section: str = POLICY_LOSS) -> str:
     """``"set actor_rollout_ref.actor.policy_loss.<key>, e.g. =<example>"``: the fix an error message names."""
     return f"set {section}{key}, e.g. ={example}"
+
+
+def validate_ratio(ratio: Any, key: str, example: str) -> float:
+    """``ratio`` as float if it is a finite number in (0, 1] (not a bool or a string), else ValueError naming ``key``."""
+    value = finite_number(ratio)
+    if value is None or not (0.0 < value <= 1.0):
+        raise ValueError(f"{key} must be finite and in (0, 1], got {ratio!r}; " + setting(key, example))
+    return value
+
+
+def ratio_quota(num_valid: int, ratio: float) -> int:
+    """Upstream kl_cov's and clip_cov's quota ``max(1, int(num_valid * ratio))``; 0 when there are no valid tokens."""
+    if num_valid <= 0:
+        return 0
+    return max(1, int(num_valid * ratio))

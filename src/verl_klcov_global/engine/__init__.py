@@ -1,0 +1,10 @@
+"""The only place that patches verl's engine and driver: one module per concern.
+
+* :mod:`.patches` -- the catalogue of every verl patch (:data:`~.patches.PATCHES`) and their install;
+* :mod:`.step` -- the wrapped ``train_batch``: prepass, mask per token, verl's step, the loss wrapper, metrics;
+* :mod:`.prepass` -- the no-grad forward (micro-batching, optimizer offload, RNG) and the mode's selection;
+* :mod:`.logprobs` -- the prepass's batched log-sum-exp numerics (PATCH ``prepass_batched_logsumexp``).
+
+Import order (top to bottom): patches -> step -> prepass -> logprobs; each may import the
+package's lower layers (modes, loss, layout, config, seams), never the plugin, the lab or the CLI.
+"""

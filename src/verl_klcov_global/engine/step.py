@@ -1,0 +1,145 @@
+"""The wrapped optimizer step: prepass, mask stored per token, verl's own ``train_batch``, the step's metrics.
+
+:func:`train_batch_with_prepass` is what PATCH ``train_batch_prepass`` (:mod:`.patches`) runs in
+place of ``BaseEngine.train_batch`` (one call per optimizer step, made by
+``TrainingWorker.train_batch`` for every minibatch and PPO epoch). When the loss function's
+actor config selects a mode of the table (:func:`verl_klcov_global.modes.global_mode_of`), before
+verl's own step it:
+
+0. checks the engine (:func:`require_supported_engine`: verl's FSDP engine, fsdp or fsdp2) and
+   frees the previous step's gradients (``engine.optimizer_zero_grad()``, set to None): verl's
+   ``train_batch`` does exactly that as its first call, so doing it before the prepass changes
+   nothing but the prepass's memory;
+1. runs the prepass and the mode's selection (:func:`.prepass.run_prepass_and_select`);
+2. stores the mask as the per-token field :data:`verl_klcov_global.config.MASK_FIELD` of the
+   minibatch, in the layout of ``response_mask`` (nested or padded), so verl's micro-batch
+   splitting (static or dynamic, which reorders samples) carries each slice to its micro-batch;
+3. calls verl's ``train_batch`` with the loss function wrapped so that each micro-batch's loss
+   call runs inside ``provide_selection_mask(<its slice>)`` (:mod:`verl_klcov_global.loss`).
+
+Every other loss mode runs verl's ``train_batch`` untouched.
+
+Metrics this module adds to verl's step metrics (prefix: the mode's, e.g. ``actor/kl_cov/``):
+``prepass_seconds`` (forward, including any optimizer-state moves), ``selection_seconds`` and
+``prepass_share`` ((prepass + selection) / wall time of the whole wrapped ``train_batch``:
+verl's ``mfu`` divides the training FLOPs by that wall time). The loss writes the per-micro-batch
+ones (``selected_in_micro_batch`` and the selection's figures).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from typing import Any, Callable, Iterator, Optional
+
+from tensordict import TensorDict
+from verl.utils.metric import AggregationType, Metric
+from verl.workers.engine.base import BaseEngine
+
+from ..config import MASK_FIELD, SUPPORTED_STRATEGIES, unsupported_strategy_message
+from ..layout import mask_in_layout_of, micro_batch_mask
+from ..loss import provide_selection_mask
+from ..modes import ModeSpec, global_mode_of
+from ..seams import known_versions_text
+from .prepass import PrepassResult, run_prepass_and_select
+
+__all__ = ["UnsupportedEngineError", "actor_config_of", "observe_selections", "require_supported_engine",
+           "train_batch_with_prepass"]
+
+_SELECTION_OBSERVERS: list[Callable[[BaseEngine, PrepassResult], None]] = []
+
+
+class UnsupportedEngineError(RuntimeError):
+    """A global loss mode was selected on an engine the prepass does not cover."""
+
+
+@contextlib.contextmanager
+def observe_selections(callback: Callable[[BaseEngine, PrepassResult], None]) -> Iterator[None]:
+    """Call ``callback(engine, result)`` after every prepass selection made inside this block.
+
+    For diagnostics and tests: the mask is deleted from the minibatch after the step.
+    """
+    _SELECTION_OBSERVERS.append(callback)
+    try:
+        yield
+    finally:
+        _SELECTION_OBSERVERS.remove(callback)
+
+
+def actor_config_of(loss_function: Optional[Callable]) -> Any:
+    """The actor config bound into verl's loss function (``partial(ppo_loss, config=...)``), or None."""
+    keywords = getattr(loss_function, "keywords", None) or {}
+    return keywords.get("config")
+
+
+def train_batch_with_prepass(original: Callable, engine: BaseEngine, data: TensorDict, loss_function: Callable):
+    """verl's ``original(engine, data, loss_function)`` with the prepass before it when a global mode is selected."""
+    actor_config = actor_config_of(loss_function)
+    mode = global_mode_of(actor_config)
+    if mode is None:
+        return original(engine, data, loss_function)
+    settings = mode.read_settings(actor_config)
+    require_supported_engine(engine, mode)
+
+    started = time.perf_counter()
+    # verl's train_batch starts with this very call (set_to_none): made before the prepass, it frees
+    # the previous step's gradients for it instead of after it.
+    engine.optimizer_zero_grad()
+    prepass = run_prepass_and_select(engine, data, settings, mode)
+    for observer in list(_SELECTION_OBSERVERS):
+        observer(engine, prepass)
+    data[MASK_FIELD] = mask_in_layout_of(prepass.selection.mask, data["response_mask"])
+    try:
+        outputs = original(engine, data, functools.partial(_loss_with_mask_slice, loss_function,
+                                                           prepass.selection.figures()))
+    finally:
+        del data[MASK_FIELD]
+    step_seconds = time.perf_counter() - started
+    if isinstance(outputs, dict) and isinstance(outputs.get("metrics"), dict):
+        prefix = mode.metric_prefix
+        plugin_seconds = prepass.prepass_seconds + prepass.selection_seconds
+        outputs["metrics"].update({
+            f"{prefix}prepass_seconds": Metric(AggregationType.MEAN, prepass.prepass_seconds),
+            f"{prefix}selection_seconds": Metric(AggregationType.MEAN, prepass.selection_seconds),
+            f"{prefix}prepass_share": Metric(AggregationType.MEAN, plugin_seconds / max(step_seconds, 1e-12)),
+        })
+    return outputs
+
+
+def require_supported_engine(engine: BaseEngine, mode: ModeSpec) -> None:
+    """Raise :class:`UnsupportedEngineError` unless ``engine`` is verl's FSDP engine with a supported strategy.
+
+    The one strategy check of the worker side; the driver refuses the same strategies earlier
+    (:func:`verl_klcov_global.driver.check_trainer_config`, :data:`~verl_klcov_global.config.SUPPORTED_STRATEGIES`).
+    """
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    strategy = getattr(getattr(engine, "engine_config", None), "strategy", None)
+    if not isinstance(engine, FSDPEngineWithLMHead) or strategy not in SUPPORTED_STRATEGIES:
+        raise UnsupportedEngineError(unsupported_strategy_message(
+            mode.name, mode.upstream, f"this actor runs {type(engine).__name__} with strategy {strategy!r}"))
+
+
+def _loss_with_mask_slice(loss_function: Callable, figures: dict, *args, **kwargs):
+    """verl's loss function, called inside ``provide_selection_mask`` with this micro-batch's mask slice.
+
+    verl also passes the same function as a logits processor for top-k distillation
+    (``logits_processor_func(student_logits=..., data=...)``, verl 0.9.1
+    transformer_impl.py ~1413): such calls compute no policy loss and go through untouched.
+    """
+    if "student_logits" in kwargs:
+        return loss_function(*args, **kwargs)
+    return _policy_loss_with_mask_slice(loss_function, figures, *args, **kwargs)
+
+
+def _policy_loss_with_mask_slice(loss_function: Callable, figures: dict, model_output, data: TensorDict,
+                                 dp_group=None):
+    """``(loss, metrics)`` of verl's loss on this micro-batch, with its slice of the mask provided."""
+    if MASK_FIELD not in data.keys():
+        raise RuntimeError(
+            f"micro-batch lost the per-token field {MASK_FIELD!r} on its way from the minibatch: verl's micro-batch "
+            f"splitting changed (known to work: verl {known_versions_text()})"
+        )
+    with provide_selection_mask(micro_batch_mask(data, MASK_FIELD), figures):
+        return loss_function(model_output=model_output, data=data, dp_group=dp_group)
