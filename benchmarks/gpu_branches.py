@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from .gpu_check import Phase
+from .gpu_phases import Phase
 
 
 def _tiny_engine(phase: Phase):
@@ -72,8 +72,7 @@ def _check_process_group(phase: Phase, engine) -> None:
 
 
 def _check_rng_restored(phase: Phase, engine, batch) -> None:
-    from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass, step as engine_step
-    from verl_klcov_global import layout
+    from verl_klcov_global.engine import prepass as engine_prepass
 
     cuda = phase.device == "cuda"
     draws: list[float] = []
@@ -122,9 +121,8 @@ def _check_logits_path(phase: Phase) -> None:
     grad-enabled calls keep verl's loop."""
     import verl.utils.torch_functional as verl_F
 
-    from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass, step as engine_step
+    from verl_klcov_global.engine import logprobs as engine_logprobs
 
-    from verl_klcov_global import layout
 
     generator = torch.Generator().manual_seed(0)
     vocab = 97
@@ -174,8 +172,7 @@ def _check_prepass_equals_compute_log_prob(phase: Phase, engine, batch) -> torch
     """Two prepasses give the same bits; against verl's compute_log_prob (same minibatch and layout, same
     forward) they are bit-identical on CPU and within :func:`summation_bound` on an accelerator, where the
     batched logsumexp sums in another order than verl's row loop."""
-    from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass, step as engine_step
-    from verl_klcov_global import layout
+    from verl_klcov_global.engine import prepass as engine_prepass
 
     from .gpu_step import compute_log_prob
 
@@ -204,7 +201,7 @@ def _check_prepass_equals_compute_log_prob(phase: Phase, engine, batch) -> torch
 def _check_selection_over_group(phase: Phase, engine, batch, log_probs: torch.Tensor) -> None:
     from verl.workers.utils.losses import ppo_loss
 
-    from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass, step as engine_step
+    from verl_klcov_global.engine import step as engine_step
 
     from verl_klcov_global import layout
     from verl_klcov_global.lab import tiny as _tiny

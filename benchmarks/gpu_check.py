@@ -35,111 +35,13 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Callable, Iterator, Optional
 
 from ._common import quiet
+from .gpu_phases import GPU, SMOKE, Phase, PhaseBudgetExceeded, Sizes, Stopped, progress
 
 PHASES = ("env", "branches", "diagnose", "step")
-#: Qwen2.5-0.5B's shape (its config.json), random weights: the step phase's model on a GPU.
-QWEN25_05B_LIKE = dict(
-    vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-    intermediate_size=4864, max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1000000.0,
-    rms_norm_eps=1e-6, attention_dropout=0.0, use_sliding_window=False,
-)
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """Everything that differs between the GPU run and the CPU smoke; the code path is the same."""
-
-    budget_seconds: float
-    phase_budgets: dict
-    diagnose_blocks: int
-    diagnose_batch: int
-    diagnose_prompt: int
-    diagnose_response: int
-    diagnose_micro_batches: int
-    step_model: str  # "qwen2.5-0.5b-like" or "tiny"
-    step_batch: int
-    step_prompt: int
-    step_response_min: int
-    step_response_max: int
-    step_max_token_len: int  # ppo_max_token_len_per_gpu (training micro-batches)
-    step_infer_max_token_len: int  # log_prob_max_token_len_per_gpu (compute_log_prob and the prepass)
-    step_reps: int
-    kl_cov_ratio: float
-
-
-GPU = Sizes(
-    budget_seconds=400,
-    phase_budgets={"env": 30, "branches": 60, "diagnose": 150, "step": 220},
-    diagnose_blocks=3, diagnose_batch=64, diagnose_prompt=16, diagnose_response=128, diagnose_micro_batches=8,
-    # examples/dapo_kl_cov_global.sh: one token budget for training and log-probs; ratio 0.002 [paper, 7B]
-    step_model="qwen2.5-0.5b-like", step_batch=16, step_prompt=512, step_response_min=2048, step_response_max=4096,
-    step_max_token_len=16384, step_infer_max_token_len=16384, step_reps=2, kl_cov_ratio=0.002,
-)
-# The smoke takes ~50 s on 2 shared cores; its budgets are ceilings with room for a busy CI machine.
-SMOKE = Sizes(
-    budget_seconds=270,
-    phase_budgets={"env": 45, "branches": 60, "diagnose": 150, "step": 100},
-    diagnose_blocks=1, diagnose_batch=16, diagnose_prompt=8, diagnose_response=32, diagnose_micro_batches=4,
-    step_model="tiny", step_batch=8, step_prompt=16, step_response_min=32, step_response_max=64,
-    step_max_token_len=160, step_infer_max_token_len=320, step_reps=1, kl_cov_ratio=0.02,
-)
-
-
-class Stopped(BaseException):
-    """SIGTERM arrived (the shell's overall timeout). A BaseException, so no ``except Exception`` on the
-    way (verl, torch, this kit) swallows it."""
-
-
-class PhaseBudgetExceeded(Exception):
-    """A phase ran out of its time budget before a part that needs more."""
-
-
-@dataclass
-class Check:
-    phase: str
-    name: str
-    ok: Optional[bool]  # None: not applicable on this device (``detail`` says why)
-    detail: str
-
-
-@dataclass
-class Phase:
-    """What one phase gets: its device, sizes, scratch folder, deadline; what it records."""
-
-    name: str
-    device: str
-    sizes: Sizes
-    scratch: str
-    deadline: float
-    checks: list[Check] = field(default_factory=list)
-    data: dict = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-    def remaining(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def check(self, name: str, ok: Optional[bool], detail: str) -> None:
-        self.checks.append(Check(self.name, name, ok, detail))
-        mark = {True: "ok  ", False: "FAIL", None: "n/a "}[ok]
-        progress(f"  [{mark}] {name}: {detail}")
-
-    def note(self, message: str) -> None:
-        self.notes.append(message)
-        progress(f"  note: {message}")
-
-    def need(self, seconds: float, what: str) -> None:
-        """Raise :class:`PhaseBudgetExceeded` unless ``seconds`` remain for ``what``."""
-        if self.remaining() < seconds:
-            raise PhaseBudgetExceeded(f"{what}: needs ~{seconds:.0f} s, {max(0.0, self.remaining()):.0f} s left")
-
-
-def progress(message: str) -> None:
-    # the real stdout: diagnose.quiet_verl() swaps sys.stdout while engines work
-    print(message, file=sys.__stdout__, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,7 +233,7 @@ def _run_phase(name: str, function: Callable[[Phase], None], phase: Phase,
         with stop.armed_while():
             progress(f"\n== phase {name} (budget {max(0.0, phase.remaining()):.0f} s) ==")
             if phase.remaining() < 5:
-                raise PhaseBudgetExceeded("the overall budget is spent")
+                raise PhaseBudgetExceeded("the phase's budget (or the overall budget) is spent")
             function(phase)
     except PhaseBudgetExceeded as exceeded:
         return "incomplete", f"time budget: {exceeded}"
@@ -350,6 +252,8 @@ def run(args: argparse.Namespace) -> int:
     sizes = SMOKE if args.smoke else GPU
     if args.budget is not None:
         sizes = Sizes(**{**asdict(sizes), "budget_seconds": args.budget})
+    if args.phase_budget:
+        sizes = Sizes(**{**asdict(sizes), "phase_budgets": {**sizes.phase_budgets, **args.phase_budget}})
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device is visible. On a CPU machine run: bash scripts/gpu_check.sh --smoke",
@@ -409,7 +313,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", help="report path (default out/gpu_check.json, smoke out/gpu_check_smoke.json)")
     parser.add_argument("--phases", nargs="+", choices=PHASES, help="run only these phases (default: all)")
     parser.add_argument("--budget", type=float, help="overall time budget in seconds (default 400, smoke 270)")
+    parser.add_argument("--phase-budget", action="append", default=[], metavar="PHASE=SECONDS",
+                        help="one phase's time budget in seconds (repeatable); 0 skips the phase as out of budget")
     args = parser.parse_args(argv)
+    budgets = {}
+    for item in args.phase_budget:
+        name, _, seconds = item.partition("=")
+        if name not in PHASES:
+            parser.error(f"--phase-budget {item!r}: the phase must be one of {PHASES}")
+        try:
+            budgets[name] = float(seconds)
+        except ValueError:
+            parser.error(f"--phase-budget {item!r}: SECONDS must be a number")
+    args.phase_budget = budgets
     if args.json is None:
         args.json = "out/gpu_check_smoke.json" if args.smoke else "out/gpu_check.json"
     return args
@@ -422,8 +338,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the importable module, not this __main__ copy: the phase modules import Phase and the
-    # exceptions from benchmarks.gpu_check, and must see the same classes.
-    from benchmarks import gpu_check
-
-    sys.exit(gpu_check.main())
+    sys.exit(main())

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from .gpu_check import QWEN25_05B_LIKE, Phase, PhaseBudgetExceeded, progress
+from .gpu_phases import QWEN25_05B_LIKE, Phase, PhaseBudgetExceeded, progress
 
 GIB = float(1 << 30)
 _LOGPROB_FUNCTIONS = ("logprobs_from_logits_v2", "logprobs_from_logits_flash_attn", "logprobs_from_logits_torch_npu")
@@ -75,17 +75,16 @@ def count_logprob_calls() -> Iterator[Counter]:
     plugin's batched prepass path (:data:`PLUGIN_BATCHED`)."""
     import verl.utils.torch_functional as verl_F
 
-    from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass
+    from verl_klcov_global.engine import logprobs as engine_logprobs
 
-    from verl_klcov_global import layout
 
     calls: Counter = Counter()
     targets = [(verl_F, name, name) for name in _LOGPROB_FUNCTIONS if hasattr(verl_F, name)]
-    targets.append((hook, "log_probs_in_place", PLUGIN_BATCHED))
+    targets.append((engine_logprobs, "log_probs_in_place", PLUGIN_BATCHED))
     originals = [(module, attr, getattr(module, attr)) for module, attr, _ in targets]
 
     def counted(label: str, function: Callable) -> Callable:
-        @functools.wraps(function)  # the hook checks the signature of what it wraps
+        @functools.wraps(function)
         def wrapper(*args, **kwargs):
             calls[label] += 1
             return function(*args, **kwargs)
@@ -164,9 +163,8 @@ def _observe_attention(phase: Phase, engine, vocab_size: int) -> dict:
     on a 2-sequence minibatch (same kernels as the big one: the same masks, dtypes and dispatch)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass
+    from verl_klcov_global.engine import prepass as engine_prepass
 
-    from verl_klcov_global import layout
     from verl_klcov_global.lab import tiny as _tiny
 
     model = getattr(engine.module, "module", engine.module)
@@ -252,7 +250,6 @@ def _build_engine(phase: Phase, path: str):
 
 
 def _describe_minibatch(batch, sizes) -> dict:
-    from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass
     from verl_klcov_global import layout
 
     responses = layout.padded(batch["response_mask"]).sum(1)
@@ -267,8 +264,7 @@ def _describe_minibatch(batch, sizes) -> dict:
 
 def _operations(engine, batch, sizes, modes: list[str], figures: Figures) -> dict[str, Callable[[], Any]]:
     """The measured operations by name: compute_log_prob, prepass, and one training step per mode."""
-    from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass
-    from verl_klcov_global import layout
+    from verl_klcov_global.engine import prepass as engine_prepass
     from verl_klcov_global.lab import tiny as _tiny
     from verl_klcov_global.config import read_kl_cov_settings
 

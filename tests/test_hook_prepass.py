@@ -27,7 +27,7 @@ from verl.workers.utils.losses import ppo_loss
 
 from verl_klcov_global.engine import logprobs as engine_logprobs, prepass as engine_prepass, step as engine_step
 
-from verl_klcov_global import layout
+from verl_klcov_global.layout import fit_width
 from verl_klcov_global.lab import cpu as _cpu
 from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.config import KLCovGlobalSettings
@@ -77,7 +77,7 @@ def test_static_prepass_runs_ceil_rows_over_size_forwards_with_the_single_forwar
     forwards = _record_forwards(engine)
     log_probs = []
     real_compute = engine_prepass.compute_prepass_log_probs
-    monkeypatch.setattr(hook, "compute_prepass_log_probs",
+    monkeypatch.setattr(engine_prepass, "compute_prepass_log_probs",
                         lambda *args: log_probs.append(real_compute(*args)) or log_probs[-1])
     batch = _tiny.set_micro_batching(thirteen_rows.copy(), use_dynamic_bsz=False, micro_batch_size_per_gpu=13)
     masks, counts, drift = {}, {}, 0.0
@@ -157,7 +157,7 @@ def test_prepass_log_probs_are_verls_own_bit_for_bit(tiny_model_path, thirteen_r
     batch = _tiny.set_micro_batching(thirteen_rows.copy(), use_dynamic_bsz=False, micro_batch_size_per_gpu=13)
     ours = engine_prepass.compute_prepass_log_probs(engine, batch, "infer")
     verls = _tiny.compute_current_log_probs(engine, batch)  # eval mode, verl's logprobs_from_logits_v2
-    assert torch.equal(ours, layout.fit_width(verls, ours.shape[1]))
+    assert torch.equal(ours, fit_width(verls, ours.shape[1]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def test_train_mini_batch_runs_one_prepass_per_optimizer_step_on_its_rows_and_pa
         step["state"] = full_state_dict(engine)  # the parameters this optimizer step starts from
 
     monkeypatch.setattr(worker, "train_batch", recording_train_batch)
-    monkeypatch.setattr(hook, "compute_prepass_log_probs", recording_compute)
+    monkeypatch.setattr(engine_prepass, "compute_prepass_log_probs", recording_compute)
     monkeypatch.setattr(worker.engine, "optimizer_step", recording_optimizer_step)
     with engine_step.observe_selections(observer):
         output = worker.train_mini_batch(batch)

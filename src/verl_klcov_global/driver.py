@@ -33,6 +33,7 @@ environment.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Any, Optional
@@ -51,6 +52,9 @@ EXTERNAL_MODULES_ENV = "VERL_USE_EXTERNAL_MODULES"
 REQUIRED_BY_ENV = "VERL_KLCOV_GLOBAL_REQUIRED_BY"
 AUTOLOAD_ENV = "VERL_KLCOV_GLOBAL_AUTOLOAD"
 MESSAGE_PREFIX = "verl-klcov-global"
+#: The driver's messages: INFO (what was checked and shipped; ``main_ppo``'s Hydra logging shows INFO on the
+#: console) and WARNING (visible even where logging is not configured).
+logger = logging.getLogger(__name__)
 
 
 class TrainerConfigError(ValueError):
@@ -88,10 +92,10 @@ def add_worker_loading(config: DictConfig, mode: str) -> bool:
         return False
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
-        print(f"{MESSAGE_PREFIX}: Ray is already initialised (an existing cluster, or verl 0.8, whose main_ppo "
-              f"validates the config in the TaskRunner), so verl will not pass its runtime_env to ray.init: "
-              f"the workers load the plugin only if it is installed there (entry point, verl 0.9) or "
-              f"{EXTERNAL_MODULES_ENV}=verl_klcov_global is in their environment.", file=sys.stderr)
+        logger.warning(f"{MESSAGE_PREFIX}: Ray is already initialised (an existing cluster, or verl 0.8, whose "
+                       f"main_ppo validates the config in the TaskRunner), so verl will not pass its runtime_env to "
+                       f"ray.init: the workers load the plugin only if it is installed there (entry point, verl 0.9) "
+                       f"or {EXTERNAL_MODULES_ENV}=verl_klcov_global is in their environment.")
     with open_dict(config):
         if OmegaConf.select(config, "ray_kwargs.ray_init.runtime_env", default=None) is None:
             OmegaConf.update(config, "ray_kwargs.ray_init.runtime_env", {}, force_add=True)
@@ -120,8 +124,8 @@ def add_worker_loading(config: DictConfig, mode: str) -> bool:
 def prepare_trainer_config(config: Any) -> Optional[str]:
     """:func:`check_trainer_config`, then :func:`add_worker_loading` when a plugin mode is selected.
 
-    Any object that is not a ``DictConfig`` is left alone (returns None). Prints one line saying
-    what was checked and added.
+    Any object that is not a ``DictConfig`` is left alone (returns None). Logs one INFO line saying
+    what was checked and added (logger ``verl_klcov_global.driver``).
     """
     if not isinstance(config, DictConfig):
         return None
@@ -129,8 +133,8 @@ def prepare_trainer_config(config: Any) -> Optional[str]:
     if mode is None:
         return None
     shipped = add_worker_loading(config, mode)
-    print(f"{MESSAGE_PREFIX}: loss_mode={mode}: knobs checked in the driver; "
-          + (f"every Ray process will import {WORKER_LOADER_MODULE} ({EXTERNAL_MODULES_ENV}, runtime_env "
-             "py_modules), which loads the plugin or stops that process with the fix"
-             if shipped else f"worker loading skipped ({AUTOLOAD_ENV}=0)"), file=sys.stderr)
+    logger.info(f"{MESSAGE_PREFIX}: loss_mode={mode}: knobs checked in the driver; "
+                + (f"every Ray process will import {WORKER_LOADER_MODULE} ({EXTERNAL_MODULES_ENV}, runtime_env "
+                   "py_modules), which loads the plugin or stops that process with the fix"
+                   if shipped else f"worker loading skipped ({AUTOLOAD_ENV}=0)"))
     return mode

@@ -1,0 +1,128 @@
+"""The package's import graph reads top to bottom: no module imports a layer above its own, and no circle.
+
+Parsed from the source (every ``import`` statement, at module level or inside a function), so it
+needs no import of the package. The layers, bottom first, are those of ``docs/ARCHITECTURE.md``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = "verl_klcov_global"
+SOURCE = Path(__file__).resolve().parents[1] / "src" / PACKAGE
+
+#: Bottom first; a module may import modules of its own layer or of layers below it.
+LAYERS = [
+    ["selection", "seams", "layout"],
+    ["config"],
+    ["loss"],
+    ["modes"],
+    ["driver", "engine.logprobs"],
+    ["engine.prepass"],
+    ["engine.step"],
+    ["engine.patches", "engine"],
+    ["plugin"],
+    [""],  # the package itself (verl_klcov_global/__init__.py)
+    ["worker_loader", "lab"],
+    ["cli", "__main__"],
+]
+#: Known upward edges, each with its reason.
+ALLOWED_UPWARD = {
+    # the version string the driver writes into the Ray runtime env; read lazily, at call time
+    ("driver", ""),
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SOURCE).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES = {_module_name(path): path for path in SOURCE.rglob("*.py")}
+
+
+def _layer(module: str) -> int:
+    best = None
+    for rank, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or (prefix and module.startswith(prefix + ".")) and (
+                    best is None or len(prefix) > best[1]):
+                best = (rank, len(prefix))
+    assert best is not None, f"module {module!r} has no layer in LAYERS: add it"
+    return best[0]
+
+
+def _resolve(module: str, node: ast.AST) -> list[str]:
+    """The package modules an import statement in ``module`` names ("" = the package itself)."""
+    is_package = MODULES[module].name == "__init__.py"
+    targets = []
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        if node.level:
+            base = module.split(".") if module else []
+            base = base if is_package else base[:-1]
+            base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+            prefix = ".".join(base + ([node.module] if node.module else []))
+            base_name = f"{PACKAGE}.{prefix}".rstrip(".")
+        else:
+            base_name = node.module
+        # ``from X import a``: the submodule X.a when there is one, else X itself
+        submodules = [f"{base_name}.{alias.name}" for alias in node.names]
+        names = [sub if sub[len(PACKAGE) + 1:] in MODULES else base_name for sub in submodules]
+    for name in names:
+        if name == PACKAGE or name.startswith(PACKAGE + "."):
+            relative = name[len(PACKAGE) + 1:]
+            if relative in MODULES:
+                targets.append(relative)
+    return targets
+
+
+def _edges() -> set[tuple[str, str, bool]]:
+    """(importer, imported, at module level) for every import of a package module by a package module."""
+    edges = set()
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        top_level = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in _resolve(module, node):
+                    if target != module:
+                        edges.add((module, target, id(node) in top_level))
+    return edges
+
+
+def test_every_module_has_a_layer_and_imports_none_above_it():
+    upward = [(a, b) for a, b, _ in _edges() if _layer(b) > _layer(a) and (a, b) not in ALLOWED_UPWARD]
+    assert upward == [], f"imports from a lower layer back up: {sorted(upward)}"
+
+
+def test_the_module_level_import_graph_has_no_circle():
+    graph: dict[str, set[str]] = {}
+    for a, b, top in _edges():
+        if top:
+            graph.setdefault(a, set()).add(b)
+    state: dict[str, int] = {}
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                raise AssertionError(f"import circle: {' -> '.join(path + [nxt])}")
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_the_parser_sees_the_imports_it_must():
+    """The checks above would pass vacuously on a parser that finds nothing: pin a few known edges."""
+    edges = {(a, b) for a, b, _ in _edges()}
+    assert {("modes", "config"), ("engine.step", "modes"), ("plugin", "engine.patches"),
+            ("engine.prepass", "engine.logprobs"), ("", "plugin"), ("lab.experiment", "engine.step")} <= edges
