@@ -4,7 +4,7 @@ Both designs make the same selection (masks compared bit for bit with the
 single-process selection here, and in tests/test_selection.py). They differ in what
 each rank sends per optimizer step:
 
-* 0.1.0 (``benchmarks/legacy_selection.py``): one all-gather of 5 float64, one
+* 0.1.0 (``tests/support/legacy_selection.py``): one all-gather of 5 float64, one
   all-reduce of 2 int64, one all-gather of ``k`` float64 candidates, one all-gather of
   2 int64: ``72 + 8k`` bytes, and each rank receives ``W * k`` candidates and runs a
   top-k over them.
@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tests.support.counting_dist import CountingDist
 
 WORLD_SIZE = 2
 TOTALS = (8192, 10**6)
@@ -54,27 +56,6 @@ def legacy_formula_bytes(k: int) -> int:
 def current_formula_bytes(rounds: int) -> int:
     """Bytes one rank contributes to the collectives of one current selection that took ``rounds`` rounds."""
     return 8 * 5 + 8 * 2 + 1024 * rounds + 8
-
-
-class CountingDist:
-    """Stand-in for ``torch.distributed`` that records every collective (name, bytes this rank contributes)."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, int]] = []
-
-    def __getattr__(self, name):
-        return getattr(dist, name)
-
-    def all_reduce(self, tensor, *args, **kwargs):
-        self.calls.append(("all_reduce", tensor.numel() * tensor.element_size()))
-        return dist.all_reduce(tensor, *args, **kwargs)
-
-    def all_gather(self, outputs, tensor, *args, **kwargs):
-        self.calls.append(("all_gather", tensor.numel() * tensor.element_size()))
-        return dist.all_gather(outputs, tensor, *args, **kwargs)
-
-    def __getstate__(self):  # pragma: no cover - never pickled
-        raise TypeError("CountingDist is process-local")
 
 
 def _count(module, select, *args, **kwargs):
@@ -108,7 +89,7 @@ def _worker(rank: int, world_size: int, port: int, cases: list[tuple[int, float]
     from verl_klcov_global.lab.cpu import init_process_group_cpu
     from verl_klcov_global.selection import collectives, select_kl_cov_tokens
 
-    from . import legacy_selection
+    from tests.support import legacy_selection
 
     init_process_group_cpu(rank, world_size, port)
     group = dist.group.WORLD

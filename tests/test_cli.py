@@ -110,6 +110,7 @@ def test_exit_status_is_one_when_not_invariant(monkeypatch, capsys):
     assert "FAIL: kl_cov_global is NOT invariant" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_console_script_is_installed():
     script = os.path.join(os.path.dirname(sys.executable), "verl-klcov-global")
     proc = subprocess.run([script, "diagnose", "--help"], capture_output=True, text=True, timeout=120)

@@ -29,9 +29,18 @@ def example_overrides(script: Path) -> list[str]:
     return [line for line in proc.stdout.splitlines() if line.strip()]
 
 
-def test_examples_exist():
-    assert {p.name for p in EXAMPLES} >= {"dapo_kl_cov_global.sh", "dapo_kl_cov_global_32b.sh",
-                                          "dapo_clip_cov_global.sh", "dapo_clip_cov_global_32b.sh"}
+def test_every_example_selects_a_mode_of_the_table_and_every_mode_has_examples():
+    """Guards the parametrized tests below against an empty glob, and the examples against a mode left out."""
+    from verl_klcov_global.modes import MODES
+
+    selected = {}
+    for script in EXAMPLES:
+        modes = [line.split("=", 1)[1] for line in example_overrides(script)
+                 if line.startswith("actor_rollout_ref.actor.policy_loss.loss_mode=")]
+        assert len(modes) == 1 and modes[0] in MODES, (script.name, modes)
+        selected.setdefault(modes[0], []).append(script.name)
+    assert sorted(selected) == sorted(MODES), selected
+    assert all(len(names) == 2 for names in selected.values()), selected  # the 7B-style and the 32B example
 
 
 def validated_actor(config):

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import pytest
 
 _REPORT = """
 import json, sys
@@ -32,6 +33,9 @@ print("RESULT " + json.dumps({
 """
 _LOADED = {"plugin_imported": True, "hooked": True, "registered": ["clip_cov_global", "kl_cov_global"]}
 _ABSENT = {"plugin_imported": False, "hooked": False, "registered": []}
+
+
+pytestmark = pytest.mark.slow  # each test starts fresh interpreters
 
 
 def _probe(code: str, **env_overrides) -> dict:

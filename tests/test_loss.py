@@ -17,7 +17,7 @@ from verl_klcov_global import (
     select_kl_cov_tokens,
 )
 
-from .batches import boundary_gap, random_minibatch
+from .support.batches import boundary_gap, random_minibatch
 
 _COMMON_AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
 
@@ -70,8 +70,14 @@ def loss_and_grad(loss_mode, inputs, agg_mode, config):
     return loss.detach(), grad, metrics
 
 
-def test_registered_through_the_entry_point():
-    assert "kl_cov_global" in POLICY_LOSS_REGISTRY
+def test_every_mode_of_the_table_is_registered_as_its_own_loss():
+    """The registry holds the table's functions, not some other object under the same names."""
+    from verl_klcov_global.modes import MODES
+
+    assert {"kl_cov_global", "clip_cov_global"} <= set(MODES)
+    for name, mode in MODES.items():
+        assert POLICY_LOSS_REGISTRY[name] is mode.policy_loss
+        assert mode.policy_loss.__name__ == f"compute_policy_loss_{name}"
 
 
 @settings(max_examples=40, deadline=None)
@@ -193,7 +199,7 @@ def test_clip_cov_global_equals_verl_clip_cov_drawing_the_same_tokens(seed, agg_
     """Upstream's draw (torch.randperm) steered to our tokens: loss, gradient and metrics are verl's, bit for bit."""
     from verl_klcov_global.selection import clip_cov_quota
 
-    from .batches import reference_candidates
+    from .support.batches import reference_candidates
 
     inputs = loss_inputs(seed, with_is_weights=with_is)
     selection = clip_cov_selection(inputs, ratio)
@@ -245,6 +251,3 @@ def test_clip_cov_global_without_a_mask_raises_with_the_fix():
         get_policy_loss_fn("clip_cov_global")(**loss_inputs(0), config=clip_cov_config("clip_cov_global"))
     assert issubclass(KLCovMaskUnavailableError, SelectionMaskUnavailableError)
 
-
-def test_clip_cov_global_is_registered():
-    assert "clip_cov_global" in POLICY_LOSS_REGISTRY

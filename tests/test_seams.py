@@ -100,6 +100,7 @@ import verl_klcov_global
 """
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_importing_the_plugin_over_a_moved_seam_fails_before_patching_anything():
     env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none"}  # 0.9: the entry point must not import it first
     env.pop("VERL_USE_EXTERNAL_MODULES", None)

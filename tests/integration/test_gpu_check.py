@@ -16,7 +16,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ACCELERATOR_ONLY = {
     "device RNG restored", "accelerator logits path", "selection over the NCCL group",
     "prepass peak <= verl's own peak",

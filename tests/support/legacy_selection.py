@@ -1,7 +1,7 @@
 """verl-klcov-global 0.1.0's selection (the gather-k-candidates design), kept as a reference.
 
 Not used by the plugin. ``benchmarks/bench_exchange.py`` measures its exchange against the
-current design (``verl_klcov_global.selection``), and ``tests/test_selection.py`` checks that
+current design (``verl_klcov_global.selection``), and ``tests/selection/test_kl_cov.py`` checks that
 both give bit-identical masks, thresholds and means. Its text below is 0.1.0's, unchanged.
 
 This module is pure torch: it knows nothing about verl. It answers one question

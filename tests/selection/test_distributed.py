@@ -11,9 +11,9 @@ from verl_klcov_global.lab.cpu import init_process_group_cpu, spawn
 from verl_klcov_global.selection import select_kl_cov_tokens
 from verl_klcov_global.selection.collectives import RADIX_BINS, RADIX_ROUNDS
 
-from .batches import random_minibatch
+from ..support.batches import random_minibatch
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 2 gloo processes, ~30 s each
 
 
 def _cases():
@@ -119,8 +119,8 @@ def test_ranks_disagreeing_on_the_ratio_all_raise_instead_of_hanging():
 
 def _clip_cov_cases():
     """(name, inputs of the whole minibatch, knobs, rows on rank 0)."""
-    from .batches import CLIP_COV_KNOBS as KNOBS
-    from .batches import clip_cov_inputs
+    from ..support.batches import CLIP_COV_KNOBS as KNOBS
+    from ..support.batches import clip_cov_inputs
 
     cases = []
     for seed in range(24):
@@ -147,7 +147,7 @@ def _clip_cov_cases():
 def _run_clip_cov_cases(rank, world_size, port):
     from verl_klcov_global.selection import select_clip_cov_tokens
 
-    from .batches import reference_candidates
+    from ..support.batches import reference_candidates
 
     init_process_group_cpu(rank, world_size, port)
     counting = _CountingDist()

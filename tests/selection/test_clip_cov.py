@@ -22,8 +22,8 @@ from verl_klcov_global.selection.keys import (
     token_keys,
 )
 
-from .batches import CLIP_COV_KNOBS as KNOBS
-from .batches import clip_cov_inputs, reference_candidates
+from ..support.batches import CLIP_COV_KNOBS as KNOBS
+from ..support.batches import clip_cov_inputs, reference_candidates
 
 P_VALUE_FLOOR = 1e-3  # deterministic seeds: a uniform sampler passes or fails the same way every run
 

@@ -29,6 +29,8 @@ from verl_klcov_global.lab import random_responses
 from verl_klcov_global.lab.local_trainer import RunConfig
 from verl_klcov_global.lab.trajectory import NOISE_FACTOR, format_report, run_experiment
 
+pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
+
 STEPS = 3
 
 
@@ -50,7 +52,7 @@ def test_random_response_is_a_pure_function_of_its_key():
 
 
 def test_cpu_random_server_answers_by_request_id_and_refuses_uuids():
-    from .trainer_support.rollout_server import RandomTokenServer
+    from ..trainer_support.rollout_server import RandomTokenServer
 
     async def generate(server, request_id):
         output = await server.generate(request_id, prompt_ids=[1, 5, 9], sampling_params={"max_tokens": 24})

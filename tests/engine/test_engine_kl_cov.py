@@ -14,6 +14,8 @@ from verl_klcov_global.lab.experiment import (
     EngineSpec, dynamic_layouts, frozen_minibatch, max_abs_diff, one_update, run_block, static_layouts,
 )
 
+pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
+
 BATCH, PROMPT, RESPONSE = 64, 16, 128
 SEQ = PROMPT + RESPONSE
 NOISE_FACTOR = 10  # kl_cov_global's layout difference must stay within 10x the control's

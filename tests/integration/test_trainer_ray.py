@@ -23,8 +23,10 @@ import sys
 
 import pytest
 
-from .trainer_support import batches, trainer
-from .trainer_support.env import INHERITED_ENV_TO_DROP, REPO_ROOT, ray_process_env, subprocess_env
+from ..trainer_support import batches, trainer
+from ..trainer_support.env import INHERITED_ENV_TO_DROP, REPO_ROOT, ray_process_env, subprocess_env
+
+pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
 
 WORLD_SIZE = 2                      # data-parallel ranks (Ray workers)
 PROMPTS, N = 4, 4                   # data.train_batch_size prompts x rollout.n responses = 16 sequences
@@ -149,7 +151,7 @@ def ray_actor_group(tiny_model_path):
     import ray
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
-    from .trainer_support.workers import ObservedActorRolloutRefWorker
+    from ..trainer_support.workers import ObservedActorRolloutRefWorker
 
     config = trainer.compose_trainer_config(_overrides(tiny_model_path))
     trainer.validate_trainer_config(config)

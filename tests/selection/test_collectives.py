@@ -11,7 +11,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.bench_exchange import CountingDist
+from ..support.counting_dist import CountingDist
 from verl_klcov_global.lab.cpu import init_process_group_cpu, spawn
 from verl_klcov_global.selection import collectives
 from verl_klcov_global.selection.collectives import (
@@ -126,6 +126,7 @@ def _run_key_cases(rank, world_size, port):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_two_ranks_mark_the_single_process_keys_with_a_bounded_exchange():
     per_rank = spawn(_run_key_cases, 2)
     bound = RADIX_ROUNDS * RADIX_BINS * 4 + 8  # int32 bins, then one 8-byte collective

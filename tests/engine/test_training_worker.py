@@ -24,7 +24,9 @@ from verl_klcov_global.engine import prepass as engine_prepass, step as engine_s
 from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.selection import select_kl_cov_tokens
 
-from .worker_support import PlainModelReference, build_training_worker, full_state_dict, padded_rows, row_indices
+from ..support.workers import PlainModelReference, build_training_worker, full_state_dict, padded_rows, row_indices
+
+pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
 
 BATCH, MINI_BATCH, EPOCHS = 64, 32, 2
 PROMPT, RESPONSE = 8, 64

@@ -38,6 +38,8 @@ from verl_klcov_global.config import MASK_FIELD, KLCovGlobalPolicyLossConfig, re
 from verl_klcov_global.modes import KL_COV, global_mode_of
 from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch
 
+pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
+
 ORIGINAL_ATTR = "__verl_klcov_global_original__"
 BATCH, PROMPT, RESPONSE = 16, 8, 32
 RATIO = 0.01  # 16 x <=32 response tokens: a quota of a few tokens
@@ -467,13 +469,6 @@ def test_batched_logsumexp_leaves_grad_bf16_and_non_contiguous_logits_to_verl(mo
             verl_F.logprobs_from_logits_v2(logits.clone(), labels)  # fp32, no grad: ours
     assert calls == [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)]
     assert on_meta.device.type == "meta" and on_meta.shape == (4,)
-
-
-@pytest.mark.parametrize("rows, limit, expected", [(64, 16, 16), (8, 32, 8), (12, 8, 6), (10, 4, 2), (7, 16, 7), (1, 16, 1)])
-def test_static_prepass_micro_batch_size_divides_the_minibatch(rows, limit, expected):
-    from verl_klcov_global.lab.experiment import largest_divisor_at_most
-
-    assert largest_divisor_at_most(rows, limit) == expected
 
 
 def test_loss_wrapper_passes_distillation_logits_processor_calls_through():

@@ -25,7 +25,9 @@ from verl_klcov_global.lab.experiment import (
     EngineSpec, MicroBatchLayout, dynamic_layouts, frozen_minibatch, max_abs_diff, one_update, static_layouts,
 )
 
-from .test_selection_clip_cov import upstream_clip_cov_selection
+from ..selection.test_clip_cov import upstream_clip_cov_selection
+
+pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
 
 BATCH, PROMPT, RESPONSE = 64, 16, 128
 SEQ = PROMPT + RESPONSE

@@ -29,9 +29,11 @@ import sys
 
 import pytest
 
-from .trainer_support import step_recorder
-from .trainer_support.e2e import main_ppo_argv, write_dataset
-from .trainer_support.env import CPU_PLUGIN_MODULE, REPO_ROOT, subprocess_env
+from ..trainer_support import step_recorder
+from ..trainer_support.e2e import main_ppo_argv, write_dataset
+from ..trainer_support.env import CPU_PLUGIN_MODULE, REPO_ROOT, subprocess_env
+
+pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
 
 WORKERS = 2                          # FSDP ranks (fake GPUs)
 PROMPTS, N = 4, 4                    # prompts per step x responses per prompt = 16 sequences

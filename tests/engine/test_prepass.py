@@ -34,6 +34,8 @@ from verl_klcov_global.config import KLCovGlobalSettings
 from verl_klcov_global.modes import KL_COV
 from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch
 
+pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
+
 ROWS, PROMPT, RESPONSE = 13, 8, 32
 RATIO = 0.02
 

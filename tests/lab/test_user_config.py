@@ -15,7 +15,7 @@ from verl_klcov_global import cli
 from verl_klcov_global.lab.diagnose import DiagnoseError
 from verl_klcov_global.lab.user_config import DEFAULT_MAX_TOKENS, SOURCE_CONFIG_DIR, Shape, plan_for, scale_shape
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # A user's config as verl's docs suggest writing one: verl's ppo_trainer plus their own values.
 USER_YAML = textwrap.dedent("""\

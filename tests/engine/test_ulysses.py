@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism: kl_cov_global selects and updates as without it, counting nothing twice.
 
 verl's FSDP engine runs Ulysses SP over gloo with the test-only CPU varlen attention of
-``tests/ulysses_support.py`` (verl wires Ulysses into flash-attention only). Each rank of an
+``tests/support/ulysses.py`` (verl wires Ulysses into flash-attention only). Each rank of an
 SP group holds its DP rank's whole shard and, after verl's all-gather, the same log-probs; the
 prepass must select over the DP group only (``engine.get_data_parallel_group()``), else every
 token is counted once per SP rank.
@@ -24,7 +24,9 @@ from verl_klcov_global.lab.experiment import MicroBatchLayout, frozen_minibatch,
 from verl_klcov_global.layout import fit_width
 from verl_klcov_global.engine.step import observe_selections
 
-from .ulysses_support import UlyssesEngineSpec, cpu_varlen_attention, varlen_attention_cpu
+from ..support.ulysses import UlyssesEngineSpec, cpu_varlen_attention, varlen_attention_cpu
+
+pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
 
 BATCH, PROMPT, RESPONSE = 16, 16, 48
 MICRO_BATCH = 4  # sequences per micro-batch and DP rank: 4 micro-batches at DP 1, 2 at DP 2

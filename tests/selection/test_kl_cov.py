@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from verl_klcov_global.selection import kl_cov_quota, select_kl_cov_tokens
 
-from benchmarks import legacy_selection
+from ..support import legacy_selection
 
-from .batches import boundary_gap, random_minibatch
+from ..support.batches import boundary_gap, random_minibatch
 
 
 def upstream_selected_indices(advantages, log_probs, response_mask, ratio):

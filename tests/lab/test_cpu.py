@@ -11,7 +11,11 @@ import sys
 
 import torch
 
+import pytest
+
 from verl_klcov_global.lab import cpu as _cpu
+
+pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
 
 
 def test_verls_device_helpers_say_cpu_after_install():
