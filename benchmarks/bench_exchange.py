@@ -1,7 +1,7 @@
 """Data-parallel exchange of one selection, W = 2: the 0.1.0 design vs the current one.
 
 Both designs make the same selection (masks compared bit for bit with the
-single-process selection here, and in tests/test_selection.py). They differ in what
+single-process selection here, and in tests/selection/test_kl_cov.py). They differ in what
 each rank sends per optimizer step:
 
 * 0.1.0 (``tests/support/legacy_selection.py``): one all-gather of 5 float64, one

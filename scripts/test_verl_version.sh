@@ -24,24 +24,24 @@ SUBSET=(
   tests/test_driver.py
   tests/test_loss.py
   tests/test_modes.py
-  tests/test_selection.py
-  tests/test_selection_clip_cov.py
-  tests/test_selection_collectives.py
-  tests/test_selection_distributed.py
-  tests/test_hook_patches.py
-  tests/test_hook_prepass.py
-  tests/test_hook_engine.py
-  tests/test_hook_engine_clip_cov.py
+  tests/test_layout.py
+  tests/test_import_layers.py
+  tests/test_adding_a_mode.py
+  tests/selection
+  tests/engine/test_patches.py
+  tests/engine/test_prepass.py
+  tests/engine/test_engine_kl_cov.py
+  tests/engine/test_engine_clip_cov.py
 )
 
 SECONDS=0
 bash scripts/setup.sh --verl "$VERSION"
 echo "verl $VERSION job: setup ${SECONDS} s"; SECONDS=0
 # CI time: the fsdp2 variants of the static 64-vs-8 engine test (~105 s) are left to the main suite;
-# fsdp2 stays covered here by tests/test_hook_engine_clip_cov.py's fsdp2 cases.
+# fsdp2 stays covered here by tests/engine/test_engine_clip_cov.py's fsdp2 cases.
 "$VENV/bin/python" -m pytest -q -m "not verl_0_9_only" "${SUBSET[@]}" \
-  --deselect "tests/test_hook_engine.py::test_static_micro_batches_64_vs_8[padded-fsdp2]" \
-  --deselect "tests/test_hook_engine.py::test_static_micro_batches_64_vs_8[packed-fsdp2]" "$@"
+  --deselect "tests/engine/test_engine_kl_cov.py::test_static_micro_batches_64_vs_8[padded-fsdp2]" \
+  --deselect "tests/engine/test_engine_kl_cov.py::test_static_micro_batches_64_vs_8[packed-fsdp2]" "$@"
 echo "verl $VERSION job: tests ${SECONDS} s"; SECONDS=0
 
 mkdir -p out

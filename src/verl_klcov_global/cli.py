@@ -22,9 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the experiment of verl issue #7829: does the update depend on the micro-batch size?",
         description=(
             "One optimizer update per (mode, layout) on a frozen minibatch through verl's real FSDP engine: "
-            "1 micro-batch vs N, for vanilla (penalty-free control), kl_cov and kl_cov_global, clip_cov and "
-            "clip_cov_global (Clip-Cov modes also run the same update twice). Exit status 0 when every global "
-            "mode's masks are identical and its parameter differences stay within 10x the control's."
+            "1 micro-batch vs N, for vanilla (penalty-free control) and each global mode with its verl counterpart ("
+            + ", ".join(f"{mode.upstream} and {name}" for name, mode in MODES.items())
+            + "; modes whose upstream draws at random also run the same update twice). Exit status 0 when every "
+            "global mode's masks are identical and its parameter differences stay within 10x the control's."
         ),
     )
     # Absent options leave no attribute, so --config-name can tell which were given (_usage_errors);
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--clip-cov-lb", type=float,
         help="Clip-Cov window's lower bound (default 0.3, for the tiny model's small covariances; verl's default 1.0)")
     add("--clip-cov-ub", type=float, help="Clip-Cov window's upper bound (default 5)")
-    add("--clip-cov-seed", type=int, help="clip_cov_global's sampling seed (default 0)")
+    add("--clip-cov-seed", type=int, help="Clip-Cov's sampling seed, policy_loss.clip_cov_seed (default 0)")
     add("--strategy", choices=["fsdp", "fsdp2"], help="default fsdp")
     add("--json", dest="json_path", help="also write the full report as JSON to this file")
     config = diagnose.add_argument_group(
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ppo_mini_batch_size, rollout.n, the world size and data.max_*_length, scaled down to --max-tokens. "
         "Upstream and global modes: your micro-batching vs the whole minibatch in one micro-batch.",
     )
-    config.add_argument("--config-name", help="your config's name, as for main_ppo (e.g. kl_cov_global)")
+    config.add_argument("--config-name", help=f"your config's name, as for main_ppo (e.g. one of the plugin's: {', '.join(MODES)})")
     config.add_argument(
         "--config-path",
         help="its folder (relative to the current directory). Default: ./configs when it holds NAME.yaml (the "
