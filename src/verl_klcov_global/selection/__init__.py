@@ -6,7 +6,7 @@
 * :mod:`.collectives` -- what every selection shares: exact group-wide means and the
   agreement on the k largest keys, with an exchange that does not grow with k or N.
 * :mod:`.keys` -- sampling keys hashed from (seed, sequence tokens, position).
-* :mod:`.knobs` -- strict reading of numeric knobs (no bool or string coercion).
+* :mod:`.knobs` -- strict reading of numeric knobs (no bool or string coercion) and the ratio quota.
 
 Nothing here imports verl.
 """
