@@ -1,4 +1,4 @@
-"""The only place that patches verl's engine and driver: one module per concern.
+"""The only place that patches verl (the lab's CPU platform for diagnose and tests aside): one module per concern.
 
 * :mod:`.patches` -- the catalogue of every verl patch (:data:`~.patches.PATCHES`) and their install;
 * :mod:`.step` -- the wrapped ``train_batch``: prepass, mask per token, verl's step, the loss wrapper, metrics;
