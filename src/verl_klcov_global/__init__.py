@@ -6,6 +6,8 @@ no-grad prepass, instead of one per micro-batch. Select one with
 ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global`` (or ``=clip_cov_global``).
 """
 
+from importlib import metadata as _metadata
+
 import verl  # noqa: F401  (loads verl's entry-point plugins first, this one included)
 
 from .seams import check_seams as _check_seams
@@ -38,7 +40,10 @@ from .selection import (
     select_kl_cov_tokens,
 )
 
-__version__ = "0.2.0"
+try:  # the one version string is pyproject.toml's, read from the installed metadata
+    __version__ = _metadata.version("verl-klcov-global")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "unknown (not installed)"
 
 __all__ = [
     "CLIP_COV_LOSS_MODE",
