@@ -10,7 +10,7 @@ When the config selects one of the plugin's loss modes it:
    dataclasses can coerce them (``true`` -> 1.0, ``false`` -> 0.0): booleans, strings and
    non-finite numbers are rejected, and the error names the key and a good value. The same
    checks run on every route: verl's own ``PolicyLossConfig`` (a plain ``loss_mode=`` override),
-   ``configs/*.yaml``, or ``policy_loss._target_`` set by hand. It also rejects an actor strategy
+   the plugin's configs (``verl_klcov_global/configs``), or ``policy_loss._target_`` set by hand. It also rejects an actor strategy
    the prepass does not cover (Megatron);
 2. adds to the Ray runtime environment that ``run_ppo`` passes to ``ray.init`` (and so to the
    TaskRunner and every worker):
