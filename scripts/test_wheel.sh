@@ -88,13 +88,14 @@ PYTHONPATH=$REPO "$VENV/bin/python" -c "import verl_klcov_global as p, sys; asse
 "$VENV/bin/python" - "$WORK/pytest" "$SITE" <<'PY'
 import glob, json, os, sys
 root, site = sys.argv[1:]
-records = [json.loads(line) for path in glob.glob(os.path.join(root, "**", "steps-*.jsonl"), recursive=True)
-           for line in open(path)]
+paths = sorted({os.path.realpath(p) for p in glob.glob(os.path.join(root, "**", "steps-*.jsonl"), recursive=True)})
+records = [json.loads(line) for path in paths for line in open(path)]
 files = {r["plugin_file"] for r in records}
 ranks = {r["rank"] for r in records}
 assert records and ranks == {0, 1}, (len(records), ranks)
 assert all(f and f.startswith(os.path.join(site, "verl_klcov_global") + os.sep) for f in files), files
-print(f"main_ppo workers: {len(records)} optimizer steps on ranks {sorted(ranks)}, plugin imported from {files.pop()}")
+print(f"main_ppo workers: {len(records)} optimizer steps recorded in {len(paths)} files, ranks {sorted(ranks)}, "
+      f"plugin imported from {files.pop()}")
 PY
 echo "wheel job: main_ppo 2-step GRPO ${SECONDS} s"; TOTAL=$((TOTAL + SECONDS))
 echo "wheel job: total ${TOTAL} s"
