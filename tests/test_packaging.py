@@ -10,7 +10,7 @@ from pathlib import Path
 import verl_klcov_global
 from verl_klcov_global.install_hint import INSTALL_HINT
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 
 if sys.version_info >= (3, 11):
     import tomllib
