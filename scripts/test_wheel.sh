@@ -33,12 +33,18 @@ SECONDS=0
 quiet "$PYTHON" -m pip wheel -q --no-deps -w "$WORK/dist" "$REPO"
 WHEEL=$(ls "$WORK"/dist/verl_klcov_global-*.whl)
 "$PYTHON" - "$WHEEL" <<'PY'
-import sys, zipfile
+import os, sys, zipfile
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
 need = {"verl_klcov_global/configs/kl_cov_global.yaml", "verl_klcov_global/configs/clip_cov_global.yaml",
         "hydra_plugins/verl_klcov_global_searchpath/verl_klcov_global_searchpath.py"}
 assert need <= names, sorted(need - names)
 assert not any(n.startswith("hydra_plugins/__init__") for n in names), "hydra_plugins must stay a namespace package"
+# exactly the package's files under src/ (a stale build/ folder can add removed modules to a wheel)
+src = os.path.join(os.getcwd(), "src")
+tree = {os.path.relpath(os.path.join(d, f), src) for d, _, files in os.walk(src) if ".egg-info" not in d
+        and "__pycache__" not in d for f in files if f.endswith((".py", ".yaml"))}
+packaged = {n for n in names if ".dist-info/" not in n}
+assert packaged == tree, {"only in the wheel": sorted(packaged - tree), "only in src/": sorted(tree - packaged)}
 print(f"wheel ok: {sys.argv[1].rsplit('/', 1)[-1]}, {len(names)} files, configs and search-path plugin included")
 PY
 echo "wheel job: build ${SECONDS} s"; TOTAL=$((TOTAL + SECONDS)); SECONDS=0
