@@ -57,3 +57,35 @@ def test_readme_commands_are_the_ones_ci_runs_and_name_this_version():
     assert "bash scripts/setup.sh && .venv/bin/verl-klcov-global diagnose" in readme
     assert ".venv/bin/verl-klcov-global diagnose" in ci and "bash scripts/test_wheel.sh" in ci
     assert f"verl_klcov_global-{verl_klcov_global.__version__}-py3-none-any.whl" in readme
+
+
+def _readme_knob_rows() -> dict[str, list[str]]:
+    """README's "Knobs" table: {row text: cells}, cells split on unescaped pipes."""
+    section = (REPO / "README.md").read_text().split("\n## Knobs\n", 1)[1].split("\n## ", 1)[0]
+    return {line: [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            for line in section.splitlines() if line.startswith("| ") and "`" in line}
+
+
+def test_readme_knob_defaults_are_the_packaged_configs_and_verls():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from verl.workers.config.actor import PolicyLossConfig
+
+    from verl_klcov_global.configs import CONFIG_DIR
+
+    composed = {}
+    for name in ("kl_cov_global", "clip_cov_global"):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+            composed[name] = compose(config_name=name).actor_rollout_ref.actor.policy_loss
+    GlobalHydra.instance().clear()
+    kl, clip = composed["kl_cov_global"], composed["clip_cov_global"]
+    assert kl.prepass_layout == clip.prepass_layout
+    expected = {"kl_cov_ratio": [kl.kl_cov_ratio], "ppo_kl_coef": [kl.ppo_kl_coef, PolicyLossConfig().ppo_kl_coef],
+                "clip_cov_ratio": [clip.clip_cov_ratio], "clip_cov_lb": [clip.clip_cov_lb, clip.clip_cov_ub],
+                "clip_cov_seed": [clip.clip_cov_seed], "prepass_layout": [kl.prepass_layout]}
+    rows = _readme_knob_rows()
+    for key, values in expected.items():
+        (cells,) = [cells for cells in rows.values() if f"`{key}`" in cells[1]]
+        default = cells[3]  # | mode | key | meaning | default | valid |
+        assert all(str(v) in default for v in values), (key, values, default)
