@@ -11,7 +11,8 @@
 # the key) or [ours].
 #
 # clip_cov_seed keeps the plugin's default 0 [ours]: verl's ppo_trainer.yaml has no such key and Hydra
-# refuses new keys, so to change it compose configs/clip_cov_global.yaml (which declares it) instead.
+# refuses new keys, so to change it compose the plugin's config instead
+# (--config-name=clip_cov_global, shipped in the package; it declares the key).
 #
 # Note the recipe's PPO clip range: clip_ratio_low = clip_ratio_high = 1, i.e. r is clamped to
 # [0, 2], so Clip-Cov's covariance-based gradient cut does most of the clipping.

@@ -18,6 +18,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from verl_klcov_global import driver
+from verl_klcov_global.install_hint import INSTALL_HINT
 
 from .trainer_support import trainer
 from .trainer_support.env import REPO_ROOT, subprocess_env
@@ -106,6 +107,7 @@ def test_good_config_gets_the_worker_loader_in_its_ray_runtime_env(monkeypatch, 
     # The driver's own VERL_USE_EXTERNAL_MODULES is kept: the runtime env's value replaces it in the workers.
     assert runtime_env.env_vars[driver.EXTERNAL_MODULES_ENV] == "my_platform_plugin,verl_klcov_global_loader"
     assert runtime_env.env_vars[driver.REQUIRED_BY_ENV].startswith(f"{PL}loss_mode={mode} (driver: verl-klcov-global ")
+    assert runtime_env.env_vars[driver.INSTALL_HINT_ENV] == INSTALL_HINT  # for the loader's message
 
 
 def test_runtime_env_modules_from_the_config_are_kept_and_autoload_can_be_turned_off(monkeypatch):

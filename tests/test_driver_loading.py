@@ -27,6 +27,8 @@ import time
 
 import pytest
 
+from verl_klcov_global.install_hint import INSTALL_HINT
+
 from .trainer_support import trainer
 from .trainer_support.env import REPO_ROOT, subprocess_env
 from .trainer_support.loading import PROBE_OUT_ENV, WORKERS
@@ -110,7 +112,7 @@ def test_plugin_missing_in_the_workers_stops_the_run_at_start_with_the_fix(tmp_p
     out = proc.stdout
     assert ("verl-klcov-global: actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global (driver: "
             "verl-klcov-global") in out, out[-4000:]
-    assert "needs the plugin in every Ray process" in out and "pip install verl-klcov-global" in out, out[-4000:]
+    assert "needs the plugin in every Ray process" in out and INSTALL_HINT in out, out[-4000:]
     assert "not installed in this worker" in out, out[-4000:]
     # Stopped when the TaskRunner process started: no worker group, no model was built.
     assert "init_model" not in out and "ProbeActorWorker" not in out, out[-4000:]

@@ -17,10 +17,11 @@ from verl_klcov_global.config import (
     read_clip_cov_settings,
     read_kl_cov_settings,
 )
+from verl_klcov_global.configs import CONFIG_DIR
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.sh"))
 VERL_CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-CONFIGS_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+CONFIGS_DIR = CONFIG_DIR  # the package's configs
 
 
 def example_overrides(script: Path) -> list[str]:

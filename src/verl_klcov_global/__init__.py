@@ -7,6 +7,8 @@ micro-batch. Select one with ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_
 (or ``=clip_cov_global``).
 """
 
+from importlib import metadata as _metadata
+
 import verl  # noqa: F401  (loads verl's entry-point plugins first, this one included)
 
 from .seams import check_seams as _check_seams
@@ -31,7 +33,10 @@ from .selection import (
     select_kl_cov_tokens,
 )
 
-__version__ = "0.2.0"
+try:  # the one version string is pyproject.toml's, read from the installed metadata
+    __version__ = _metadata.version("verl-klcov-global")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "unknown (not installed)"
 
 __all__ = [
     "MASK_FIELD",

@@ -64,9 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--config-name", help=f"your config's name, as for main_ppo (e.g. one of the plugin's: {', '.join(MODES)})")
     config.add_argument(
         "--config-path",
-        help="its folder (relative to the current directory). Default: ./configs when it holds NAME.yaml (the "
-             "plugin's configs, from the repository root), else the plugin's source checkout's configs/, else "
-             "verl's own trainer configs (as main_ppo without --config-path)",
+        help="its folder (relative to the current directory). Default: the plugin's own configs (shipped in "
+             "the package) when one is NAME, else verl's own trainer configs (as main_ppo without --config-path)",
     )
     config.add_argument("overrides", nargs="*", metavar="OVERRIDE",
                         help="Hydra overrides, the same you pass to main_ppo (key=value, +key=value, ~key)")

@@ -10,7 +10,7 @@ first. When the config selects a mode of the table (:mod:`verl_klcov_global.mode
    dataclasses can coerce them (``true`` -> 1.0, ``false`` -> 0.0): booleans, strings and
    non-finite numbers are rejected, and the error names the key and a good value. The same
    checks run on every route: verl's own ``PolicyLossConfig`` (a plain ``loss_mode=`` override),
-   ``configs/*.yaml``, or ``policy_loss._target_`` set by hand. It also rejects an actor strategy
+   the plugin's configs (``verl_klcov_global/configs``), or ``policy_loss._target_`` set by hand. It also rejects an actor strategy
    the prepass does not cover (Megatron);
 2. adds to the Ray runtime environment that ``run_ppo`` passes to ``ray.init`` (and so to the
    TaskRunner and every worker):
@@ -22,7 +22,9 @@ first. When the config selects a mode of the table (:mod:`verl_klcov_global.mode
      process (verl 0.8 and 0.9), and it imports this plugin, or raises an ``ImportError`` that
      says how to install it. That process, the TaskRunner first, fails to start: the run stops
      before a model, a rollout engine or a batch is loaded;
-   * ``env_vars.VERL_KLCOV_GLOBAL_REQUIRED_BY``: which setting needs the plugin, for that message.
+   * ``env_vars.VERL_KLCOV_GLOBAL_REQUIRED_BY``: which setting needs the plugin, and
+     ``env_vars.VERL_KLCOV_GLOBAL_INSTALL_HINT``: :data:`~verl_klcov_global.install_hint.INSTALL_HINT`,
+     for that message (the loader cannot import it from a process that lacks the plugin).
 
 Set ``VERL_KLCOV_GLOBAL_AUTOLOAD=0`` in the driver's environment to skip step 2 (the knob checks
 still run). Ray clusters started before the driver (``ray.init`` called by your own code) do not
@@ -42,6 +44,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .config import SUPPORTED_STRATEGIES, unsupported_strategy_message
 from .modes import global_mode_of
+from .install_hint import INSTALL_HINT
 
 #: Module that :func:`prepare_trainer_config` ships to every Ray process and names in
 #: ``VERL_USE_EXTERNAL_MODULES``.
@@ -50,6 +53,7 @@ WORKER_LOADER_MODULE = "verl_klcov_global_loader"
 WORKER_LOADER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_loader", WORKER_LOADER_MODULE)
 EXTERNAL_MODULES_ENV = "VERL_USE_EXTERNAL_MODULES"
 REQUIRED_BY_ENV = "VERL_KLCOV_GLOBAL_REQUIRED_BY"
+INSTALL_HINT_ENV = "VERL_KLCOV_GLOBAL_INSTALL_HINT"
 AUTOLOAD_ENV = "VERL_KLCOV_GLOBAL_AUTOLOAD"
 MESSAGE_PREFIX = "verl-klcov-global"
 #: The driver's messages: INFO (what was checked and shipped; ``main_ppo``'s Hydra logging shows INFO on the
@@ -116,6 +120,7 @@ def add_worker_loading(config: DictConfig, mode: str) -> bool:
 
                 env_vars[REQUIRED_BY_ENV] = (f"actor_rollout_ref.actor.policy_loss.loss_mode={mode} "
                                              f"(driver: verl-klcov-global {__version__})")
+                env_vars[INSTALL_HINT_ENV] = INSTALL_HINT
             if WORKER_LOADER_DIR not in list(runtime_env.py_modules):
                 runtime_env.py_modules.append(WORKER_LOADER_DIR)
     return True

@@ -28,6 +28,8 @@ import torch
 import verl.utils.torch_functional as verl_F
 from verl.trainer.ppo.core_algos import agg_loss
 
+from .install_hint import INSTALL_HINT
+
 __all__ = [
     "SelectionMaskUnavailableError",
     "KLCovMaskUnavailableError",
@@ -66,7 +68,7 @@ _NO_MASK_MESSAGE = (
     "prepass hook is not active in this process, or the engine bypassed it. The hook wraps "
     "verl.workers.engine.base.BaseEngine.train_batch for verl's FSDP engines (strategy fsdp/fsdp2) and is "
     "installed when the plugin loads. Make sure the plugin is loaded in every worker process: install the "
-    "package (`pip install verl-klcov-global`, entry point group verl.plugins, loaded on `import verl`), or set "
+    "package (its entry point, group verl.plugins, loads it on `import verl`; " + INSTALL_HINT + "), or set "
     "VERL_USE_EXTERNAL_MODULES=verl_klcov_global, or actor_rollout_ref.model.external_lib=verl_klcov_global. "
     "To call the loss directly, wrap the call in verl_klcov_global.provide_selection_mask(mask)."
 )

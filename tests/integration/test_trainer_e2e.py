@@ -14,7 +14,8 @@ loader alone is enough. Two runs:
 
 * ``v1``: the default (v1) trainer on verl's own ``ppo_trainer`` config with
   ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global`` (plain ``PolicyLossConfig``);
-* ``legacy``: ``trainer.use_v1=False`` on ``configs/kl_cov_global.yaml``, the ready config that
+* ``legacy``: ``trainer.use_v1=False`` on ``--config-name=kl_cov_global`` (no ``--config-path``: the
+  package's config, through its Hydra search-path plugin), the ready config that
   docs/LOADING.md documents (its ``_target_`` imports the plugin too, so this run is not the
   entry-point proof; it is the proof that the documented config trains).
 """
@@ -28,6 +29,8 @@ import subprocess
 import sys
 
 import pytest
+
+import verl_klcov_global
 
 from ..trainer_support import step_recorder
 from ..trainer_support.e2e import main_ppo_argv, write_dataset
@@ -102,6 +105,8 @@ def test_main_ppo_grpo_on_cpu_runs_kl_cov_global_prepass_per_minibatch(tmp_path,
         assert len(rank_records) == STEPS * OPTIMIZER_STEPS_PER_STEP, (rank, rank_records)
         assert all(r["rows"] == ROWS_PER_RANK for r in rank_records), rank_records
         assert all(r["mask_tokens"] is not None for r in rank_records), f"rank {rank}: a step without prepass mask"
+        # the workers run the plugin this test imported (the checkout's, or an installed wheel's: scripts/test_wheel.sh)
+        assert {r["plugin_file"] for r in rank_records} == {verl_klcov_global.__file__}, rank_records
     assert len({r["pid"] for rank_records in records.values() for r in rank_records}) == WORKERS
 
     # the ranks' mask slices add up to the global quota each optimizer step; the trainer logs its mean

@@ -13,7 +13,7 @@ import pytest
 
 from verl_klcov_global import cli
 from verl_klcov_global.lab.diagnose import DiagnoseError
-from verl_klcov_global.lab.user_config import DEFAULT_MAX_TOKENS, SOURCE_CONFIG_DIR, Shape, plan_for, scale_shape
+from verl_klcov_global.lab.user_config import DEFAULT_MAX_TOKENS, PACKAGE_CONFIG_DIR, Shape, plan_for, scale_shape
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -109,12 +109,17 @@ def test_a_local_model_path_is_used_and_fits_without_scaling(tmp_path, tiny_mode
     assert plan_for(str(tmp_path), "my_grpo", overrides, device="cpu", tiny_model=True).options.model is None
 
 
-def test_plugin_config_found_from_the_repository_root_and_elsewhere(monkeypatch, tmp_path):
+def test_plugin_config_found_in_the_package_from_any_directory(monkeypatch, tmp_path):
+    import verl_klcov_global
+
+    assert PACKAGE_CONFIG_DIR == os.path.join(os.path.dirname(verl_klcov_global.__file__), "configs")
     monkeypatch.chdir(REPO)
-    plan = plan_for(None, "kl_cov_global", [], device="cpu")
-    assert plan.config["path"] == os.path.join(REPO, "configs")
-    monkeypatch.chdir(tmp_path)  # no ./configs here: the plugin's source checkout
-    assert plan_for(None, "clip_cov_global", [], device="cpu").config["path"] == SOURCE_CONFIG_DIR
+    assert plan_for(None, "kl_cov_global", [], device="cpu").config["path"] == PACKAGE_CONFIG_DIR
+    # elsewhere, even next to a ./configs/clip_cov_global.yaml: as main_ppo, diagnose does not read ./configs
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "clip_cov_global.yaml").write_text("not: the plugin's\n")
+    monkeypatch.chdir(tmp_path)
+    assert plan_for(None, "clip_cov_global", [], device="cpu").config["path"] == PACKAGE_CONFIG_DIR
     # verl's own config, as main_ppo without --config-path; its loss_mode vanilla -> every plugin mode
     plan = plan_for(None, "ppo_trainer", [], device="cpu")
     assert plan.config["path"] == "pkg://verl.trainer.config" and plan.options.loss_mode == "all"

@@ -11,7 +11,6 @@ from .env import REPO_ROOT
 from .rollout import ROLLOUT_NAME
 
 REWARD_FILE = os.path.join(REPO_ROOT, "tests", "trainer_support", "reward.py")
-CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
 
 
 def write_dataset(path: str, n_prompts: int) -> str:
@@ -24,15 +23,16 @@ def main_ppo_argv(*, model_path: str, train_file: str, out_dir: str, use_v1: boo
                   ppo_epochs: int, steps: int, kl_cov_ratio: float, loss_mode: str = "kl_cov_global") -> list[str]:
     """``python -m verl.trainer.main_ppo ...`` for a GRPO run on CPU with ``loss_mode=kl_cov_global``.
 
-    ``plugin_config``: compose ``configs/kl_cov_global.yaml`` (the plugin's config class) instead of
+    ``plugin_config``: ``--config-name=kl_cov_global`` (the plugin's packaged config, found through its
+    Hydra search-path plugin; the plugin's config class) instead of
     verl's own ``ppo_trainer`` with a plain ``loss_mode`` override (``loss_mode``, e.g. ``vanilla``).
     Everything else is CPU sizing:
     fake Ray GPUs (one FSDP rank each), the ``cpu_random`` rollout, fp32, sdpa, one worker per
     helper pool, console logger, no validation, no checkpoints.
     """
     argv = [sys.executable, "-m", "verl.trainer.main_ppo"]
-    if plugin_config:
-        argv += [f"--config-path={CONFIG_DIR}", "--config-name=kl_cov_global"]
+    if plugin_config:  # no --config-path: the installed package's Hydra search-path plugin finds it
+        argv += ["--config-name=kl_cov_global"]
     else:
         argv += [f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
                  "actor_rollout_ref.actor.policy_loss.ppo_kl_coef=1.0"]

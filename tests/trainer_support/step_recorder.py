@@ -6,7 +6,8 @@ the plugin's entry point wraps it, so this wrapper runs inside the plugin's: aft
 on the very minibatch the optimizer step trains on. Each call appends one JSON line to
 ``<dir>/steps-<pid>.jsonl``: the process, its rank, the minibatch's row count and how many tokens
 the per-token field ``global_selection_mask`` marks (``null`` when the field is absent, i.e. no
-prepass ran for this step).
+prepass ran for this step), and the file the plugin was imported from in that process
+(``verl_klcov_global.__file__``, read from ``sys.modules``, or ``null``).
 
 Nothing of the plugin is imported here: the mask is recognised by its field name, so the test's
 claim that only the entry point loads the plugin stays true.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 import time
 
 RECORD_DIR_ENV = "KLCOV_STEP_RECORD_DIR"
@@ -42,6 +44,7 @@ def install() -> None:
             "rank": int(os.environ.get("RANK", -1)),
             "rows": int(data.batch_size[0]),
             "mask_tokens": None if mask is None else int(_values(mask).sum()),
+            "plugin_file": getattr(sys.modules.get("verl_klcov_global"), "__file__", None),
             "time": time.time(),
         }
         with open(os.path.join(directory, f"steps-{os.getpid()}.jsonl"), "a") as f:

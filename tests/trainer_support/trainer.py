@@ -20,9 +20,9 @@ import os
 from types import SimpleNamespace
 from typing import Any, Sequence
 
-from .env import REPO_ROOT
+from verl_klcov_global.configs import CONFIG_DIR as PLUGIN_CONFIG_DIR
 
-CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
+CONFIG_DIR = PLUGIN_CONFIG_DIR  # the package's configs (src/verl_klcov_global/configs)
 CONFIG_NAME = "kl_cov_global"
 
 

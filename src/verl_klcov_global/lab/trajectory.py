@@ -235,7 +235,8 @@ def plot(report: dict, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:
-        raise SystemExit(f"the picture needs matplotlib: pip install 'verl-klcov-global[plot]' ({error})")
+        raise SystemExit(f"the picture needs matplotlib (`pip install matplotlib`, or the plugin's plot extra: "
+                         f"`pip install -e '.[plot]'` in a clone) ({error})")
 
     pairs, curves = report["mbs"]["pairs"], report["curves"]
     small, large = report["micro_batch_sizes"]

@@ -29,10 +29,11 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
+from ..configs import CONFIG_DIR
 from .diagnose import DiagnoseError, DiagnoseOptions
 
-#: Folder of the plugin's own configs (kl_cov_global.yaml, clip_cov_global.yaml) in a source checkout.
-SOURCE_CONFIG_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs"))
+#: Folder of the plugin's own configs (kl_cov_global.yaml, clip_cov_global.yaml), shipped in the package.
+PACKAGE_CONFIG_DIR = CONFIG_DIR
 #: verl's own trainer configs: main_ppo's config path when no --config-path is given.
 VERL_CONFIG_MODULE = "verl.trainer.config"
 #: --max-tokens defaults: tokens of the (per-rank) minibatch diagnose runs, per device.
@@ -89,12 +90,12 @@ class ConfigPlan:
 
 
 def default_config_dir(config_name: str) -> Optional[str]:
-    """Where ``--config-name NAME`` is found without ``--config-path``: ``./configs`` when it holds
-    ``NAME.yaml`` (the plugin's configs, run from the repository root), else the plugin's source
-    checkout's ``configs/`` when it holds it, else None (verl's own trainer configs, as main_ppo)."""
-    for folder in (os.path.abspath("configs"), SOURCE_CONFIG_DIR):
-        if os.path.isfile(os.path.join(folder, f"{config_name}.yaml")):
-            return folder
+    """Where ``--config-name NAME`` is found without ``--config-path``: the plugin's own configs
+    (:data:`PACKAGE_CONFIG_DIR`) when it holds ``NAME.yaml``, else None (verl's own trainer configs).
+    ``main_ppo`` finds the same two without ``--config-path`` (the plugin's through its Hydra
+    search-path plugin, ``hydra_plugins.verl_klcov_global_searchpath``)."""
+    if os.path.isfile(os.path.join(PACKAGE_CONFIG_DIR, f"{config_name}.yaml")):
+        return PACKAGE_CONFIG_DIR
     return None
 
 
@@ -141,8 +142,8 @@ def compose_config(config_path: Optional[str], config_name: str, overrides: Sequ
             cause += f" at key {error.full_key}"
         where = folder or f"pkg://{VERL_CONFIG_MODULE}"
         if config_path is None and folder is None:
-            cause += (f". Without --config-path, diagnose looks for {config_name}.yaml in ./configs, then in the "
-                      f"plugin's {SOURCE_CONFIG_DIR}, then among verl's own trainer configs; give --config-path DIR")
+            cause += (f". Without --config-path, diagnose looks for {config_name}.yaml among the plugin's configs "
+                      f"({PACKAGE_CONFIG_DIR}), then among verl's own trainer configs; give --config-path DIR")
         raise DiagnoseError(
             f"cannot compose config {config_name!r} from {where} with overrides {list(overrides)}: "
             f"{type(error).__name__}: {error}{cause}. Check the config file and the overrides as you would for "

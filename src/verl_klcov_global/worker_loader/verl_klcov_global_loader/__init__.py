@@ -11,6 +11,8 @@ import socket
 import sys
 
 _REQUIRED_BY = os.environ.get("VERL_KLCOV_GLOBAL_REQUIRED_BY", "a verl-klcov-global loss mode")
+# verl_klcov_global.install_hint.INSTALL_HINT, which the driver passes in (this process may lack the plugin)
+_INSTALL_HINT = os.environ.get("VERL_KLCOV_GLOBAL_INSTALL_HINT", "see verl-klcov-global's README.md, \"Install\"")
 
 try:
     import verl_klcov_global.plugin  # noqa: F401  (registers the loss modes, installs the hook)
@@ -19,7 +21,7 @@ except Exception as error:
         f"verl-klcov-global: {_REQUIRED_BY} needs the plugin in every Ray process, but this process "
         f"(host {socket.gethostname()}, python {sys.executable}) cannot import it: "
         f"{type(error).__name__}: {error}. "
-        "Install it into the Python environment the Ray workers run (`pip install verl-klcov-global`, the "
-        "driver's version), or point runtime_env.py_executable at an interpreter that has it. "
+        f"Install the driver's version where the Ray workers run ({_INSTALL_HINT}), "
+        "or point runtime_env.py_executable at an interpreter that has it. "
         "docs/LOADING.md (verl-klcov-global) lists every way to load it."
     ) from error

@@ -1,0 +1,91 @@
+"""One version string, one true install hint (the package is on no index), docs that do not say otherwise."""
+
+from __future__ import annotations
+
+import re
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import verl_klcov_global
+from verl_klcov_global.install_hint import INSTALL_HINT
+
+REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    tomllib = None
+
+
+def test_version_is_pyprojects_read_from_the_installed_metadata():
+    assert verl_klcov_global.__version__ == metadata.version("verl-klcov-global")
+    if tomllib is not None:
+        project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+        assert "version" in project and verl_klcov_global.__version__ == project["version"]
+    # the only place the version is written: no literal copy in the package
+    literal = re.compile(r"__version__\s*=\s*['\"]\d")
+    assert not [p for p in (REPO / "src").rglob("*.py") if literal.search(p.read_text())]
+
+
+def test_changelog_has_this_release():
+    changelog = (REPO / "CHANGELOG.md").read_text()
+    for version in ("0.1.0", "0.2.0", verl_klcov_global.__version__):
+        assert re.search(rf"^## {re.escape(version)}\b", changelog, re.M), version
+
+
+def test_the_install_hint_says_the_package_is_on_no_index_and_how_to_install():
+    assert "not on any package index" in INSTALL_HINT
+    for route in ("pip install /path/to/verl-klcov-global", "pip wheel --no-deps", "git+"):
+        assert route in INSTALL_HINT, route
+
+
+def test_no_file_claims_the_package_is_on_an_index():
+    """`pip install verl-klcov-global` (a name, as from PyPI) appears nowhere: it cannot work."""
+    claim = re.compile(r"pip install ['\"]?verl-klcov-global(?![\w/-])")
+    files = [REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "src").rglob("*.py"),
+             *(REPO / "examples").glob("*.sh"), *(REPO / "scripts").glob("*.sh")]
+    offenders = [f"{p.relative_to(REPO)}:{n}" for p in files if p.is_file()
+                 for n, line in enumerate(p.read_text().splitlines(), 1) if claim.search(line)]
+    assert not offenders, offenders
+
+
+def test_readme_commands_are_the_ones_ci_runs_and_name_this_version():
+    readme, ci = (REPO / "README.md").read_text(), (REPO / ".ci" / "run").read_text()
+    tests = "bash scripts/setup.sh && .venv/bin/python -m pytest -q"
+    assert tests in readme and tests in ci
+    assert "bash scripts/setup.sh && .venv/bin/verl-klcov-global diagnose" in readme
+    assert ".venv/bin/verl-klcov-global diagnose" in ci and "bash scripts/test_wheel.sh" in ci
+    assert f"verl_klcov_global-{verl_klcov_global.__version__}-py3-none-any.whl" in readme
+
+
+def _readme_knob_rows() -> dict[str, list[str]]:
+    """README's "Knobs" table: {row text: cells}, cells split on unescaped pipes."""
+    section = (REPO / "README.md").read_text().split("\n## Knobs\n", 1)[1].split("\n## ", 1)[0]
+    return {line: [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            for line in section.splitlines() if line.startswith("| ") and "`" in line}
+
+
+def test_readme_knob_defaults_are_the_packaged_configs_and_verls():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from verl.workers.config.actor import PolicyLossConfig
+
+    from verl_klcov_global.configs import CONFIG_DIR
+
+    composed = {}
+    for name in ("kl_cov_global", "clip_cov_global"):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+            composed[name] = compose(config_name=name).actor_rollout_ref.actor.policy_loss
+    GlobalHydra.instance().clear()
+    kl, clip = composed["kl_cov_global"], composed["clip_cov_global"]
+    assert kl.prepass_layout == clip.prepass_layout
+    expected = {"kl_cov_ratio": [kl.kl_cov_ratio], "ppo_kl_coef": [kl.ppo_kl_coef, PolicyLossConfig().ppo_kl_coef],
+                "clip_cov_ratio": [clip.clip_cov_ratio], "clip_cov_lb": [clip.clip_cov_lb, clip.clip_cov_ub],
+                "clip_cov_seed": [clip.clip_cov_seed], "prepass_layout": [kl.prepass_layout]}
+    rows = _readme_knob_rows()
+    for key, values in expected.items():
+        (cells,) = [cells for cells in rows.values() if f"`{key}`" in cells[1]]
+        default = cells[3]  # | mode | key | meaning | default | valid |
+        assert all(str(v) in default for v in values), (key, values, default)
