@@ -11,7 +11,10 @@ When the config selects one of the plugin's loss modes it:
    non-finite numbers are rejected, and the error names the key and a good value. The same
    checks run on every route: verl's own ``PolicyLossConfig`` (a plain ``loss_mode=`` override),
    ``configs/*.yaml``, or ``policy_loss._target_`` set by hand. It also rejects an actor strategy
-   the prepass does not cover (Megatron);
+   the prepass does not cover (Megatron); then the whole-config findings of
+   :mod:`verl_klcov_global.guardrails` (combinations that would void or misread the mode): its
+   errors raise :class:`TrainerConfigError`, its warnings are
+   :class:`~verl_klcov_global.guardrails.GuardrailWarning` (``warnings.warn``; the run goes on);
 2. adds to the Ray runtime environment that ``run_ppo`` passes to ``ray.init`` (and so to the
    TaskRunner and every worker):
 
@@ -39,6 +42,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from . import guardrails
 from .config import (
     LOSS_MODE,
     SUPPORTED_STRATEGIES,
@@ -83,6 +87,8 @@ def check_trainer_config(config: DictConfig) -> Optional[str]:
             f"{strategy!r}; set actor_rollout_ref.actor.strategy=fsdp2 (or fsdp), or choose verl's own loss mode "
             f"({mode.replace('_global', '')})"
         )
+    # Whole-config findings (guardrails.py): errors raise here, warnings go to warnings.warn.
+    guardrails.report(guardrails.findings(config), TrainerConfigError)
     return mode
 
 
