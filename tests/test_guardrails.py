@@ -217,3 +217,28 @@ def test_main_ppo_prints_the_warnings_by_default(tiny_model_path):
     assert _before_ray(out), out[-3000:]
     print(f"time to verl's own error after both warnings: {seconds:.1f} s\n"
           + "\n".join(l for l in out.splitlines() if "GuardrailWarning" in l))
+
+
+# -- diagnose --config-name ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config_name, mode", [("kl_cov_global", "kl_cov_global"), ("ppo_trainer", "kl_cov")])
+def test_diagnose_config_name_reports_the_same_findings_in_notes_and_json(monkeypatch, config_name, mode):
+    """The plugin's config, and verl's own with upstream kl_cov (the findings its _global mode would get)."""
+    from verl_klcov_global.lab.user_config import plan_for
+
+    monkeypatch.chdir(REPO_ROOT)
+    overrides = ON_POLICY + [f"{PL}kl_cov_ratio=0.2", f"{RC}bypass_mode=True", f"{RC}rollout_rs=token_k1"]
+    if mode != "kl_cov_global":
+        overrides.append(f"{PL}loss_mode={mode}")
+    plan = plan_for(None, config_name, overrides, device="cpu")
+    codes = [f["code"] for f in plan.to_json()["findings"]]
+    # bypass mode: no on-policy warning (old log-probs from the rollout), but the dropped RS is an error
+    assert codes == ["bypass-ignores-rollout-correction", "ratio-units"], codes
+    composed = trainer.compose_trainer_config(
+        overrides if mode == "kl_cov_global" else [o.replace(f"={mode}", "=kl_cov_global") for o in overrides],
+        plugin_config=mode == "kl_cov_global")
+    assert [f.to_json() for f in guardrails.findings(composed)] == plan.findings  # the driver's own findings
+    notes = [n for n in plan.notes if "verl-klcov-global: " in n]
+    assert notes[0].startswith("error: verl-klcov-global: algorithm.rollout_correction.bypass_mode: ")
+    assert notes[1].startswith("warning: verl-klcov-global: actor_rollout_ref.actor.policy_loss.kl_cov_ratio: ")
