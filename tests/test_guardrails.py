@@ -29,7 +29,8 @@ from .trainer_support.env import REPO_ROOT, subprocess_env
 ACTOR = "actor_rollout_ref.actor."
 RC = "algorithm.rollout_correction."
 #: Enough micro-batch settings for verl's own validate_config to pass on verl's defaults.
-VALID = ["algorithm.adv_estimator=grpo", f"{ACTOR}ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+VALID = ["algorithm.adv_estimator=grpo", f"{ACTOR}ppo_micro_batch_size_per_gpu=4",
+         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4"]
 
 
@@ -196,7 +197,8 @@ def test_main_ppo_bypass_mode_error_before_ray_starts(tiny_model_path):
     assert "TrainerConfigError: verl-klcov-global: algorithm.rollout_correction.bypass_mode: bypass_mode=True with " \
            "loss_mode=kl_cov_global would silently drop rollout_is=token" in proc.stdout, proc.stdout[-3000:]
     assert _before_ray(proc.stdout), proc.stdout[-3000:]
-    print(f"time to the error: {seconds:.1f} s\n" + next(l for l in proc.stdout.splitlines() if "TrainerConfigError" in l))
+    line = next(line for line in proc.stdout.splitlines() if "TrainerConfigError" in line)
+    print(f"time to the error: {seconds:.1f} s\n{line}")
 
 
 @pytest.mark.slow

@@ -2,15 +2,16 @@
 
 Each run is a child process (``python -m tests.trainer_support.restart ...``) of the in-process
 trainer of :mod:`verl_klcov_global.lab.local_trainer`: verl 0.9.1's ``RayPPOTrainer.fit`` with
-verl's real ``ActorRolloutRefWorker`` / FSDP2 engine on CPU, fp32, world size 1, with
-AdamW by default (so the optimizer's state has to come back too), ``trainer.save_freq=1`` (verl's ``_save_checkpoint`` after every step: the actor's model,
-optimizer and extra state through its FSDP checkpoint manager, the dataloader's state,
-``latest_checkpointed_iteration.txt`` last) and the given ``trainer.resume_mode``.
+verl's real ``ActorRolloutRefWorker`` / FSDP2 engine on CPU, fp32, world size 1; AdamW by default
+(so the optimizer's state has to come back too); ``trainer.save_freq=1`` (verl's
+``_save_checkpoint`` after every step: the actor's model, optimizer and extra state through its
+FSDP checkpoint manager, the dataloader's state, ``latest_checkpointed_iteration.txt`` last) and
+the given ``trainer.resume_mode``.
 
 A child writes, as they happen:
 
-* ``metrics.jsonl``: every step's logged metrics, one line per step, flushed and fsynced before
-  the step is counted as done (a SIGKILL loses nothing already logged);
+* ``metrics.jsonl``: every step's logged metrics, one line per step, flushed and fsynced as verl
+  logs them (a SIGKILL loses nothing already logged);
 * ``blocked``: with ``--block-after-optimizer-steps N``, after its N-th optimizer step (a global
   ``torch.optim`` step hook) the child writes this marker and waits forever inside that step,
   so whoever kills it knows by construction which step it is in;
@@ -82,12 +83,14 @@ def _child(args) -> None:
 
 
 def start(*, model: str, work_dir: str, out: str, steps: int, loss_mode: str, resume_mode: str,
-          optimizer: str = "AdamW", lr: float = 1e-3, block_after_optimizer_steps: int = 0, cwd: str, env: Optional[dict] = None) -> subprocess.Popen:
+          optimizer: str = "AdamW", lr: float = 1e-3, block_after_optimizer_steps: int = 0, cwd: str,
+          env: Optional[dict] = None) -> subprocess.Popen:
     """Start one child run in its own process group (session); stdout+stderr go to ``out/log.txt``."""
     os.makedirs(out, exist_ok=True)
     argv = [sys.executable, "-m", "tests.trainer_support.restart", "--model", model, "--work-dir", work_dir,
             "--out", out, "--steps", str(steps), "--loss-mode", loss_mode, "--resume-mode", resume_mode,
-            "--optimizer", optimizer, "--lr", repr(lr), "--block-after-optimizer-steps", str(block_after_optimizer_steps)]
+            "--optimizer", optimizer, "--lr", repr(lr),
+            "--block-after-optimizer-steps", str(block_after_optimizer_steps)]
     log = open(os.path.join(out, "log.txt"), "w")
     return subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
