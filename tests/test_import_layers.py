@@ -14,10 +14,11 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: Bottom first; a module may import modules of its own layer or of layers below it.
 LAYERS = [
-    ["selection", "seams", "layout"],
+    ["selection", "seams", "layout", "install_hint", "configs"],
     ["config"],
     ["loss"],
     ["modes"],
+    ["guardrails"],
     ["driver", "engine.logprobs"],
     ["engine.prepass"],
     ["engine.step"],

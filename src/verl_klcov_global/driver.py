@@ -11,7 +11,10 @@ first. When the config selects a mode of the table (:mod:`verl_klcov_global.mode
    non-finite numbers are rejected, and the error names the key and a good value. The same
    checks run on every route: verl's own ``PolicyLossConfig`` (a plain ``loss_mode=`` override),
    the plugin's configs (``verl_klcov_global/configs``), or ``policy_loss._target_`` set by hand. It also rejects an actor strategy
-   the prepass does not cover (Megatron);
+   the prepass does not cover (Megatron); then the whole-config findings of
+   :mod:`verl_klcov_global.guardrails` (combinations that would void or misread the mode): its
+   errors raise :class:`TrainerConfigError`, its warnings are
+   :class:`~verl_klcov_global.guardrails.GuardrailWarning` (``warnings.warn``; the run goes on);
 2. adds to the Ray runtime environment that ``run_ppo`` passes to ``ray.init`` (and so to the
    TaskRunner and every worker):
 
@@ -42,6 +45,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from . import guardrails
 from .config import SUPPORTED_STRATEGIES, unsupported_strategy_message
 from .modes import global_mode_of
 from .install_hint import INSTALL_HINT
@@ -83,6 +87,8 @@ def check_trainer_config(config: DictConfig) -> Optional[str]:
     if strategy not in SUPPORTED_STRATEGIES:
         raise TrainerConfigError(f"{MESSAGE_PREFIX}: " + unsupported_strategy_message(
             mode.name, mode.upstream, f"actor_rollout_ref.actor.strategy is {strategy!r}"))
+    # Whole-config findings (guardrails.py): errors raise here, warnings go to warnings.warn.
+    guardrails.report(guardrails.findings(config), TrainerConfigError)
     return mode.name
 
 

@@ -80,7 +80,11 @@ class ModeSpec:
       ``ppo_loss``'s metrics (what ``diagnose`` reports for it), or None;
     * ``draws_at_random``: upstream draws its tokens at random (``diagnose`` repeats an update
       with the generators in another state to show it); ``diagnose_train_layout``: ``diagnose``
-      also runs the mode with ``prepass_layout=train``.
+      also runs the mode with ``prepass_layout=train``;
+    * ``ratio_knob``: the knob that is the fraction of tokens selected, with ``paper_ratios`` (model size ->
+      the paper's value, a fraction), read by :mod:`.guardrails` (unit warning); ``penalises_log_ratio``:
+      the mode's effect is a penalty on ``log pi - log pi_old``, which is 0 when every update is on-policy
+      (:mod:`.guardrails` warns).
     """
 
     name: str
@@ -98,6 +102,9 @@ class ModeSpec:
     count_upstream_selected: Optional[Callable[[int, Any, dict], int]] = None
     draws_at_random: bool = False
     diagnose_train_layout: bool = False
+    ratio_knob: Optional[str] = None
+    paper_ratios: tuple[tuple[str, float], ...] = ()
+    penalises_log_ratio: bool = False
 
     def __repr__(self) -> str:
         return f"ModeSpec({self.name!r})"
@@ -181,6 +188,8 @@ KL_COV = register_mode(ModeSpec(
     response_fields=("advantages",), select=_select_kl_cov, objective=kl_cov_objective,
     no_mask_error=KLCovMaskUnavailableError, config_class=KLCovGlobalPolicyLossConfig,
     count_upstream_selected=_count_kl_cov, diagnose_train_layout=True,
+    # Cui et al. 2025 (arXiv:2505.22617) and its recipe/entropy/{7b,32b}_kl_cov.sh
+    ratio_knob="kl_cov_ratio", paper_ratios=(("7B", 0.002), ("32B", 0.0002)), penalises_log_ratio=True,
 ))
 CLIP_COV = register_mode(ModeSpec(
     name="clip_cov_global", upstream="clip_cov", metric_prefix="actor/clip_cov/",
@@ -189,4 +198,5 @@ CLIP_COV = register_mode(ModeSpec(
     response_fields=("advantages", "old_log_probs"), sequence_fields=("input_ids",), select=_select_clip_cov,
     objective=clip_cov_objective, no_mask_error=ClipCovMaskUnavailableError,
     config_class=ClipCovGlobalPolicyLossConfig, count_upstream_selected=_count_clip_cov, draws_at_random=True,
+    ratio_knob="clip_cov_ratio", paper_ratios=(("7B", 0.0002), ("32B", 0.0002)),
 ))

@@ -235,6 +235,14 @@ class LocalWorkerGroup:
     def update_actor(self, data):
         return self._call("update_actor", data)
 
+    # Checkpointing (``trainer.save_freq``, ``trainer.resume_mode``): every rank saves / loads its own
+    # shard, as verl's ONE_TO_ALL dispatch has every worker do.
+    def save_checkpoint(self, *args, **kwargs):
+        return self.worker.save_checkpoint(*args, **kwargs)
+
+    def load_checkpoint(self, *args, **kwargs):
+        return self.worker.load_checkpoint(*args, **kwargs)
+
 
 def _as_received(data):
     """What a Ray worker receives: a deserialised copy (unlocked, and the worker's pops do not reach the
@@ -386,9 +394,16 @@ def _batch_digest(input_ids: torch.Tensor) -> str:
     return hashlib.sha256(input_ids.numpy().tobytes()).hexdigest()[:16]
 
 
-def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0) -> RunResult:
+def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0,
+                extra_overrides: Sequence[str] = (), customize=None) -> RunResult:
     """One run of ``RayPPOTrainer.fit`` for ``run``; torch.distributed must be initialised with
-    ``run.world_size`` ranks (:func:`run_local` / :func:`run_spawned` do that)."""
+    ``run.world_size`` ranks (:func:`run_local` / :func:`run_spawned` do that).
+
+    ``extra_overrides``: more Hydra overrides of verl's config, replacing those of
+    :func:`trainer_overrides` with the same key (e.g. ``trainer.save_freq=1``,
+    ``trainer.resume_mode=auto``). ``customize(trainer, worker, rollout)``: called once everything
+    is wired, just before ``fit`` (e.g. to wrap the rollout). A resumed run logs the steps after
+    its checkpoint only, and records one weight version more than it logs steps."""
     import verl_klcov_global  # noqa: F401  -- the plugin: losses registered, hook installed
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl.trainer.ppo.utils import Role
@@ -404,7 +419,10 @@ def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0
         write_dataset(train_file, n_prompts=n_prompts)
     if run.world_size > 1:
         torch.distributed.barrier()
-    config = compose_config(trainer_overrides(run, model_path=model_path, train_file=train_file, out_dir=work_dir))
+    overrides = trainer_overrides(run, model_path=model_path, train_file=train_file, out_dir=work_dir)
+    replaced = {o.split("=", 1)[0] for o in extra_overrides}
+    overrides = [o for o in overrides if o.split("=", 1)[0] not in replaced] + list(extra_overrides)
+    config = compose_config(overrides)
     _seed_everything(run.seed)
 
     tokenizer = hf_tokenizer(model_path)
@@ -424,13 +442,17 @@ def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0
     trainer.teacher_model_manager = None
     trainer.distillation_config = None
 
+    if customize is not None:
+        customize(trainer, worker, rollout)
+
     with _recording_metrics() as records:
         trainer.fit()
     result.metrics = [dict(r) for r in records]
     result.rollout_digest = list(rollout.digests)
-    if len(result.metrics) != run.steps or len(result.params) != run.steps + 1:
+    resumed = int(result.metrics[0]["step"]) - 1 if result.metrics else 0  # 0 unless resumed from a checkpoint
+    if len(result.metrics) != run.steps - resumed or len(result.params) != run.steps - resumed + 1:
         raise RuntimeError(f"{run.label()}: {len(result.metrics)} logged steps and {len(result.params)} weight "
-                           f"versions, expected {run.steps} and {run.steps + 1}")
+                           f"versions, expected {run.steps - resumed} and {run.steps - resumed + 1}")
     del trainer, worker
     return result
 

@@ -7,7 +7,9 @@ inference layout, padding removal, strategy, dtype, loss aggregation, the policy
 both plugin modes, the PPO clip range, the model path and the minibatch shape) and returns a
 :class:`ConfigPlan`: the :class:`~verl_klcov_global.lab.diagnose.DiagnoseOptions` to run, one
 :class:`Setting` row per value with where it came from, how the minibatch was scaled to
-``--max-tokens``, and a note for every key diagnose cannot honour.
+``--max-tokens``, a note for every key diagnose cannot honour, and the driver's whole-config
+findings (:mod:`verl_klcov_global.guardrails`: errors a ``main_ppo`` run would stop on, warnings
+it would print) in the notes and in ``findings``.
 
 Shape (one data-parallel rank, as one rank of the user's run sees it): ``S = ppo_mini_batch_size *
 rollout.n / DP`` sequences with ``DP = n_gpus_per_node * nnodes / ulysses_sequence_parallel_size``,
@@ -78,10 +80,28 @@ class ConfigPlan:
     scaling: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     config: dict = field(default_factory=dict)
+    #: the driver's whole-config findings (``guardrails.py``) for the config, as dicts; also in ``notes``
+    findings: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"config": self.config, "settings": [asdict(s) for s in self.settings], "scaling": self.scaling,
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "findings": list(self.findings)}
+
+
+def config_findings(config) -> list:
+    """The driver's findings (:func:`verl_klcov_global.guardrails.findings`) for ``config``; for verl's own
+    per-micro-batch mode (a mode's ``upstream``: ``kl_cov`` / ``clip_cov``) those its global mode would get (what a switch to the plugin would meet)."""
+    from omegaconf import OmegaConf
+
+    from .. import guardrails
+    from ..modes import MODES
+
+    mode = OmegaConf.select(config, f"{POLICY_LOSS}.loss_mode", default=None)
+    global_of_upstream = {spec.upstream: spec.name for spec in MODES.values() if spec.upstream}
+    if mode in global_of_upstream:
+        config = copy.deepcopy(config)
+        OmegaConf.update(config, f"{POLICY_LOSS}.loss_mode", global_of_upstream[mode], merge=False)
+    return guardrails.findings(config)
 
 
 # ---------------------------------------------------------------------------
@@ -518,6 +538,9 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
         fixed("blocks", blocks, source=SOURCE_OPTION)
     fixed("seed", seed, source=SOURCE_OPTION if seed != 0 else SOURCE_DEFAULT)
 
+    found = config_findings(config)
+    notes += [f"{finding.severity}: {finding.text()}" for finding in found]
+
     options = DiagnoseOptions(
         model=model, device=device, dtype=dtype, strategy=strategy, blocks=blocks, seed=seed, json_path=json_path,
         loss_mode=loss_mode, batch_size=shape.sequences, prompt_len=shape.prompt_len,
@@ -528,7 +551,8 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
     scaling = {"full": asdict(full), "used": asdict(shape), "max_tokens": max_tokens, "scaled": scaled,
                "micro_batches": micro_batches, "data_parallel_size": dp, "text": scaling_text}
     return ConfigPlan(options, settings, scaling, notes,
-                      {"name": config_name, "path": where, "overrides": list(overrides)})
+                      {"name": config_name, "path": where, "overrides": list(overrides)},
+                      [finding.to_json() for finding in found])
 
 
 def plan_for(config_path: Optional[str], config_name: str, overrides: Sequence[str], **kwargs) -> ConfigPlan:

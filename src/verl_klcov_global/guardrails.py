@@ -1,0 +1,219 @@
+"""Whole-config findings: settings that make a global loss mode do something other than what was asked.
+
+The knob checks (:mod:`.config`) look at one knob at a time. The checks here look at how the
+trainer config combines them with the rest of verl's config (verl 0.9.1 read for each):
+
+* ``bypass-ignores-rollout-correction`` (error): ``algorithm.rollout_correction.bypass_mode=True``
+  with rollout IS (``rollout_is``), rejection sampling (``rollout_rs``) or ``loss_type=reinforce``.
+  In bypass mode verl copies ``rollout_log_probs`` into ``old_log_probs`` and skips the driver's
+  IS/RS computation on both trainers (``trainer/ppo/ray_trainer.py`` ~1650,
+  ``trainer/ppo/v1/trainer_base.py`` ~1767): IS, RS and ``loss_type`` are left to verl's
+  ``bypass_mode`` loss, which a global loss mode replaces. Nothing of them is applied.
+  (The legacy trainer's ``apply_bypass_mode`` also writes ``loss_mode="bypass_mode"``, but only
+  into the driver's copy of the config; the workers keep the loss mode they were built with:
+  ``tests/test_guardrails_trainer.py`` runs it.)
+* ``kl-cov-on-policy`` (warning): a mode whose effect is a log-ratio penalty
+  (``ModeSpec.penalises_log_ratio``: ``kl_cov_global``) where every optimizer update is the first
+  one after the old log-probs were computed (one minibatch per old-log-prob pass and
+  ``ppo_epochs=1``, old log-probs recomputed by the actor, not the rollout's): the penalty
+  ``ppo_kl_coef * |log pi - log pi_old|`` is 0 up to float noise.
+* ``ratio-units`` (warning): the mode's ``ModeSpec.ratio_knob`` (``kl_cov_ratio`` / ``clip_cov_ratio``)
+  >= :data:`RATIO_WARNING`, with the mode's ``paper_ratios``.
+
+Which mode gets which finding is read from the table of modes (:mod:`.modes`), never from a mode's name.
+
+:func:`findings` is pure: raw (unresolved-or-resolved) ``DictConfig`` in, :class:`Finding` list
+out. :func:`report` raises the errors and emits the warnings (:class:`GuardrailWarning`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from .modes import ModeSpec, global_mode_of
+from .selection.knobs import finite_number
+
+PREFIX = "verl-klcov-global"
+ACTOR = "actor_rollout_ref.actor"
+POLICY_LOSS = f"{ACTOR}.policy_loss"
+ROLLOUT_CORRECTION = "algorithm.rollout_correction"
+#: A ratio at or above this is far more than any published value: most likely a percentage or
+#: another framework's unit carried over.
+RATIO_WARNING = 0.05
+_DEFAULT_RATIO = 0.0002  # verl's kl_cov / clip_cov fallback for an unset ratio
+
+ERROR, WARNING = "error", "warning"
+
+
+class GuardrailWarning(UserWarning):
+    """A trainer config a global loss mode runs with, but not as its user most likely meant.
+
+    Filter them with ``warnings.filterwarnings("ignore", category=GuardrailWarning)`` or
+    ``PYTHONWARNINGS=ignore::verl_klcov_global.guardrails.GuardrailWarning``.
+    """
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One whole-config finding: ``severity`` (``error`` / ``warning``), a stable ``code``, the config
+    ``key`` it is about, what happens (``message``) and what to change (``fix``)."""
+
+    severity: str
+    code: str
+    key: str
+    message: str
+    fix: str
+
+    def text(self) -> str:
+        return f"{PREFIX}: {self.key}: {self.message}. {self.fix}"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _get(config: Any, key: str, default: Any = None) -> Any:
+    value = OmegaConf.select(config, key, default=default, throw_on_resolution_failure=False)
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def _positive_int(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def trainer_kind(config: Any) -> str:
+    """``legacy`` (``trainer.use_v1=False``, or a verl without the key) or the v1 trainer mode
+    (``trainer.v1.trainer_mode``: ``sync`` by default, ``colocate_async``, ``separate_async``)."""
+    if not bool(_get(config, "trainer.use_v1", False)):
+        return "legacy"
+    return str(_get(config, "trainer.v1.trainer_mode", "sync") or "sync")
+
+
+def updates_per_old_log_prob_pass(config: Any) -> Optional[int]:
+    """Optimizer updates that share one pass of old log-probs, or None when the config does not say.
+
+    verl 0.9.1: the actor update cuts each trainer batch into minibatches of ``ppo_mini_batch_size``
+    prompts (``x rollout.n`` sequences, also with dynamic batch sizes) and runs ``ppo_epochs`` epochs
+    (``workers/engine_workers.py`` ``train_mini_batch``). The v1 trainers run ``parameter_sync_step``
+    local steps of ``train_batch_size / parameter_sync_step`` prompts each (``trainer_base.step``);
+    the sync and colocated ones recompute old log-probs with the current weights every local step,
+    ``separate_async`` with the weights of the cycle's start (``_compute_old_log_prob``), so its
+    ``parameter_sync_step`` local steps share one anchor.
+    """
+    batch = _positive_int(_get(config, "data.train_batch_size"))
+    mini = _positive_int(_get(config, f"{ACTOR}.ppo_mini_batch_size"))
+    epochs = _positive_int(_get(config, f"{ACTOR}.ppo_epochs", 1))
+    if batch is None or mini is None or epochs is None:
+        return None
+    kind = trainer_kind(config)
+    sync_steps = 1
+    if kind != "legacy":
+        sync_steps = _positive_int(_get(config, f"trainer.v1.{kind}.parameter_sync_step", 1)) or 1
+    if kind == "separate_async":
+        return sync_steps * epochs  # verl asserts train_batch_size == parameter_sync_step * ppo_mini_batch_size
+    return max(1, (batch // sync_steps) // mini) * epochs
+
+
+def _bypass(config: Any) -> bool:
+    return bool(_get(config, f"{ROLLOUT_CORRECTION}.bypass_mode", False))
+
+
+def _bypass_findings(config: Any, spec: ModeSpec) -> list[Finding]:
+    mode = spec.name
+    if not _bypass(config):
+        return []
+    unused = []
+    for key in ("rollout_is", "rollout_rs"):
+        value = _get(config, f"{ROLLOUT_CORRECTION}.{key}")
+        if value not in (None, "", "null", "None"):
+            unused.append(f"{key}={value}")
+    loss_type = _get(config, f"{ROLLOUT_CORRECTION}.loss_type", "ppo_clip")
+    if loss_type not in (None, "ppo_clip"):
+        unused.append(f"loss_type={loss_type}")
+    if not unused:
+        return []
+    return [Finding(
+        ERROR, "bypass-ignores-rollout-correction", f"{ROLLOUT_CORRECTION}.bypass_mode",
+        f"bypass_mode=True with loss_mode={mode} would silently drop {', '.join(unused)}: in bypass mode verl "
+        f"takes the rollout's log-probs as old log-probs and leaves IS, rejection sampling and loss_type to its "
+        f"own 'bypass_mode' loss, which {mode} replaces, so no IS weight or rejection reaches the loss "
+        f"({trainer_kind(config)} trainer; verl's legacy trainer also rewrites loss_mode to 'bypass_mode' in the "
+        f"driver's copy of the config, not in the workers')",
+        f"Set {ROLLOUT_CORRECTION}.bypass_mode=False (decoupled mode: verl computes the IS weights and rejections "
+        f"in the driver and {mode} applies them), or drop {' and '.join(u.split('=')[0] for u in unused)} "
+        f"(set {ROLLOUT_CORRECTION}.rollout_is=null rollout_rs=null loss_type=ppo_clip) to keep bypass mode")]
+
+
+def _on_policy_findings(config: Any, spec: ModeSpec) -> list[Finding]:
+    mode = spec.name
+    if not spec.penalises_log_ratio or _bypass(config):
+        return []
+    coef = finite_number(_get(config, f"{POLICY_LOSS}.ppo_kl_coef", 1.0))
+    if coef == 0.0:
+        return []
+    updates = updates_per_old_log_prob_pass(config)
+    if updates != 1:
+        return []
+    kind = trainer_kind(config)
+    batch, mini = _get(config, "data.train_batch_size"), _get(config, f"{ACTOR}.ppo_mini_batch_size")
+    shape = (f"trainer.v1.separate_async.parameter_sync_step=1, ppo_epochs=1" if kind == "separate_async" else
+             f"data.train_batch_size={batch} and {ACTOR}.ppo_mini_batch_size={mini}: one minibatch per step, "
+             f"{ACTOR}.ppo_epochs=1")
+    more = ("trainer.v1.separate_async.parameter_sync_step >= 2 or " if kind == "separate_async" else
+            f"a smaller {ACTOR}.ppo_mini_batch_size (e.g. ={max(1, int(batch) // 4)}: 4 minibatches per step) or ")
+    return [Finding(
+        WARNING, "kl-cov-on-policy", f"{ACTOR}.ppo_mini_batch_size",
+        f"loss_mode={mode} with {shape} ({kind} trainer): every optimizer update is on-policy (the actor's "
+        f"old log-probs are its current ones), so the penalty ppo_kl_coef * |log pi - log pi_old| is 0 up to float "
+        f"noise and has no effect (what is left of its gradient is coef * sign(noise) * grad log pi on the selected "
+        f"tokens)",
+        f"Give it an effect with {more}{ACTOR}.ppo_epochs >= 2; it also acts with "
+        f"{ROLLOUT_CORRECTION}.bypass_mode=True (old log-probs from the rollout). The run goes on")]
+
+
+def _ratio_findings(config: Any, spec: ModeSpec) -> list[Finding]:
+    knob = spec.ratio_knob
+    if knob is None or not spec.paper_ratios:
+        return []
+    value = finite_number(_get(config, f"{POLICY_LOSS}.{knob}", _DEFAULT_RATIO))
+    if value is None or value < RATIO_WARNING:
+        return []
+    by_ratio: dict[float, list[str]] = {}
+    for size, ratio in spec.paper_ratios:
+        by_ratio.setdefault(ratio, []).append(size)
+    paper_text = ", ".join(f"{ratio:g} ({ratio:.2%}) at {' and '.join(sizes)}" for ratio, sizes in by_ratio.items())
+    first_size, first_ratio = spec.paper_ratios[0]
+    times = value / first_ratio
+    return [Finding(
+        WARNING, "ratio-units", f"{POLICY_LOSS}.{knob}",
+        f"{knob}={value:g} is a fraction, not a percentage: it selects {value:.2%} of each optimizer minibatch's "
+        f"valid response tokens, {times:.0f}x the paper's {first_size} value; the paper uses {paper_text}. Other "
+        f"frameworks' units differ: PRIME-RL's k_percent is a percentage (k_percent=0.2 means 0.2%, i.e. 0.002 "
+        f"here), SkyRL's kl_cov_frac is a fraction like this one (its default 0.2 selects 20%)",
+        f"If you meant {value:g}% set {POLICY_LOSS}.{knob}={value / 100:g} (the paper's 7B value is "
+        f"{paper['7B']:g}). The run goes on")]
+
+
+def findings(config: Any) -> list[Finding]:
+    """Every whole-config finding for a composed trainer config (``DictConfig``); [] unless it selects a
+    global loss mode. Errors first. Reads ``actor_rollout_ref.actor``, ``data``, ``trainer`` and
+    ``algorithm.rollout_correction``; the knobs themselves are checked by :mod:`.config`."""
+    actor = OmegaConf.select(config, ACTOR, default=None)
+    mode = global_mode_of(actor) if actor is not None else None
+    if mode is None:
+        return []
+    found = _bypass_findings(config, mode) + _on_policy_findings(config, mode) + _ratio_findings(config, mode)
+    return sorted(found, key=lambda f: f.severity != ERROR)
+
+
+def report(found: list[Finding], error_cls: type = ValueError) -> None:
+    """Raise ``error_cls`` with every error's text (one per line), else emit each warning as a
+    :class:`GuardrailWarning`."""
+    errors = [f.text() for f in found if f.severity == ERROR]
+    if errors:
+        raise error_cls("\n".join(errors))
+    for finding in found:
+        warnings.warn(finding.text(), GuardrailWarning, stacklevel=3)

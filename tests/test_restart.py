@@ -1,0 +1,97 @@
+"""A restart loses nothing: a ``kl_cov_global`` run killed during step 3 and resumed from verl's checkpoint
+equals one uninterrupted run, bit for bit (CPU, fp32).
+
+The runs (``trainer_support/restart.py``) are verl 0.9.1's ``RayPPOTrainer.fit`` (legacy trainer)
+with verl's real worker and FSDP2 engine in a child process each, GRPO, 4 prompts x 4 responses
+per step, 2 minibatches x 2 PPO epochs (4 optimizer steps per trainer step), AdamW (lr 1e-3: its
+moments must come back from the checkpoint too), a checkpoint after every step
+(``trainer.save_freq=1``):
+
+* uninterrupted: 4 steps;
+* killed: the same, in its own process group, which gets SIGKILL once step 2's checkpoint is
+  complete (verl writes ``latest_checkpointed_iteration.txt`` last) and the run is inside step 3
+  (it has made step 3's first optimizer step and waits there: known by construction, not by time);
+* resumed: the same command with ``trainer.resume_mode=auto`` in the killed run's directory: verl
+  loads step 2's checkpoint (model, optimizer, extra state, dataloader) and runs steps 3 and 4.
+
+Required: steps 1-2 of the killed run and 3-4 of the resumed run log exactly the metrics of the
+uninterrupted run's steps 1-4 (every metric but timings, throughput and memory: selection counts,
+pg_loss, grad_norm, entropy included), and the resumed run's parameters after the load and at
+the end equal the uninterrupted run's at step 2 and step 4.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from .trainer_support import restart
+from .trainer_support.env import REPO_ROOT, subprocess_env
+
+STEPS = 4
+OPTIMIZER_STEPS_PER_STEP = 4  # RunConfig defaults: 4 prompts / 2 per minibatch x 2 epochs
+REQUIRED = ("actor/kl_cov/selected", "actor/kl_cov/quota", "actor/pg_loss", "actor/grad_norm", "actor/entropy")
+
+
+def _deterministic(key: str) -> bool:
+    return not (key.startswith(("timing_s/", "timing_per_token_ms/", "perf/")) or key.endswith(("_seconds", "_share"))
+                or "memory" in key)
+
+
+def _compare(a: dict, b: dict) -> list[str]:
+    keys = sorted(k for k in set(a) | set(b) if _deterministic(k))
+    return [f"{k}: {a.get(k)!r} != {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+@pytest.mark.slow
+def test_a_run_killed_during_step_3_and_resumed_equals_an_uninterrupted_run(tiny_model_path, tmp_path):
+    started = time.monotonic()
+    env = subprocess_env()
+    common = dict(model=tiny_model_path, steps=STEPS, loss_mode="kl_cov_global", cwd=REPO_ROOT, env=env)
+    # the uninterrupted run and the run to be killed side by side (one thread each)
+    whole = restart.start(work_dir=str(tmp_path / "whole"), out=str(tmp_path / "whole-out"), resume_mode="disable",
+                          **common)
+    killed_dir, killed_out = str(tmp_path / "killed"), str(tmp_path / "killed-out")
+    killed = restart.start(work_dir=killed_dir, out=killed_out, resume_mode="disable",
+                           block_after_optimizer_steps=2 * OPTIMIZER_STEPS_PER_STEP + 1, **common)
+    try:
+        restart.wait_until(lambda: os.path.exists(os.path.join(killed_out, restart.BLOCKED_FILE)), killed,
+                           "step 3's first optimizer step")
+        assert restart.checkpointed_step(killed_dir) == 2  # step 2's checkpoint is complete, step 3's not begun
+        assert not os.path.exists(os.path.join(killed_dir, restart.CHECKPOINT_DIR, "global_step_3"))
+        assert restart.kill_group(killed) == -9
+    finally:
+        if killed.poll() is None:
+            restart.kill_group(killed)
+    killed_metrics = restart.read_metrics(killed_out)
+    assert [m["step"] for m in killed_metrics] == [1, 2]
+
+    resumed_out = str(tmp_path / "resumed-out")
+    resumed = restart.start(work_dir=killed_dir, out=resumed_out, resume_mode="auto", **common)
+    assert resumed.wait(timeout=600) == 0, open(os.path.join(resumed_out, "log.txt")).read()[-4000:]
+    assert whole.wait(timeout=600) == 0, open(str(tmp_path / "whole-out" / "log.txt")).read()[-4000:]
+    seconds = time.monotonic() - started
+
+    reference = torch.load(str(tmp_path / "whole-out" / restart.RESULT_FILE))
+    after = torch.load(os.path.join(resumed_out, restart.RESULT_FILE))
+    assert [m["step"] for m in after["metrics"]] == [3, 4]
+    stitched = killed_metrics + after["metrics"]
+    differences = {m["step"]: _compare(m, r) for m, r in zip(stitched, reference["metrics"])}
+    assert not any(differences.values()), differences
+    for m in stitched:
+        assert all(k in m for k in REQUIRED), sorted(m)
+        assert m["actor/kl_cov/selected"] >= 1  # the penalty acted in every step: not a vacuous comparison
+    compared = sum(1 for k in stitched[0] if _deterministic(k))
+    assert after["rollout_digest"] == reference["rollout_digest"][2:]
+    assert torch.equal(after["params"][0], reference["params"][2])   # the checkpoint loaded exactly
+    assert torch.equal(after["params"][-1], reference["params"][-1])  # and training went on exactly
+    moved = (reference["params"][-1] - reference["params"][2]).abs().max().item()
+    assert moved > 0
+    print(f"\nrestart: {compared} metrics per step equal in steps 1-4 (killed 1-2 + resumed 3-4 vs uninterrupted); "
+          f"parameters equal after the load (step 2) and at step 4 (max |change| over steps 3-4: {moved:.3g}); "
+          + "; ".join(f"step {m['step']}: selected {m['actor/kl_cov/selected']:g}, pg_loss {m['actor/pg_loss']:.6g}, "
+                      f"grad_norm {m['actor/grad_norm']:.6g}, entropy {m['actor/entropy']:.6g}" for m in stitched)
+          + f"; {seconds:.0f} s")
