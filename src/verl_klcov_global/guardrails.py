@@ -193,8 +193,8 @@ def _ratio_findings(config: Any, spec: ModeSpec) -> list[Finding]:
         f"valid response tokens, {times:.0f}x the paper's {first_size} value; the paper uses {paper_text}. Other "
         f"frameworks' units differ: PRIME-RL's k_percent is a percentage (k_percent=0.2 means 0.2%, i.e. 0.002 "
         f"here), SkyRL's kl_cov_frac is a fraction like this one (its default 0.2 selects 20%)",
-        f"If you meant {value:g}% set {POLICY_LOSS}.{knob}={value / 100:g} (the paper's 7B value is "
-        f"{paper['7B']:g}). The run goes on")]
+        f"If you meant {value:g}% set {POLICY_LOSS}.{knob}={value / 100:g} (the paper's {first_size} value is "
+        f"{first_ratio:g}). The run goes on")]
 
 
 def findings(config: Any) -> list[Finding]:
