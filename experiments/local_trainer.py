@@ -41,7 +41,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from . import cpu as _cpu
+from verl_klcov_global.lab import cpu as _cpu
 from . import random_responses
 
 #: Loss modes a run may use: verl's own and the plugin's.
@@ -68,7 +68,7 @@ class RunConfig:
     max_response_length: int = 24
     # SGD, not verl's default AdamW: AdamW divides by sqrt(v), which blows the float noise of near-zero
     # gradients up to ~lr-sized parameter differences (vanilla's floor ~50x higher here), and a discrete
-    # selection computed on parameters that noisy can flip a near-tie (see lab.trajectory).
+    # selection computed on parameters that noisy can flip a near-tie (see experiments.trajectory).
     optimizer: str = "SGD"             # actor.optim.optimizer (torch.optim)
     lr: float = 0.05
     seed: int = 1
@@ -453,7 +453,7 @@ def run_local(runs: Sequence[RunConfig], *, model_path: str, work_dir: str, prog
 
 
 def _spawned_rank(rank: int, world_size: int, port: int, runs, model_path: str, work_dir: str, quiet: bool):
-    from .diagnose import quiet_verl
+    from verl_klcov_global.lab.diagnose import quiet_verl
 
     _cpu.install_cpu_platform()
     _cpu.init_process_group_cpu(rank, world_size, port)
