@@ -248,9 +248,9 @@ def format_report(report: dict) -> str:
     lines.append(f"micro-batch {small} vs {large}: max over steps |difference| (ratio to vanilla's)")
     for mode, p in report["pairs"].items():
         ratio = p.get("ratio_to_vanilla", {})
+        rollouts = "identical" if p["same_rollouts"] else f"differ from step {p['first_differing_rollout_step']}"
         lines.append(f"  {mode:16s} entropy {p['entropy']:.2e} ({ratio.get('entropy', math.nan):.3g}x)  "
-                     f"reward {p['reward']:.2e} ({ratio.get('reward', math.nan):.3g}x)  "
-                     f"rollouts {'identical' if p['same_rollouts'] else 'differ from step ' + str(p['first_differing_rollout_step'])}"
+                     f"reward {p['reward']:.2e} ({ratio.get('reward', math.nan):.3g}x)  rollouts {rollouts}"
                      + ("" if p["counts_identical"] is None else
                         f", selection counts {'identical' if p['counts_identical'] else 'DIFFER'}"))
     for key, r in report["runs"].items():

@@ -121,3 +121,15 @@ def test_global_modes_stay_on_vanillas_floor_and_upstream_kl_cov_splits(report):
         assert min(kl["selected"]) >= 1 and all(0.0 < s <= 1.0 for s in kl["selected_cov_share"])
         assert all(m > c for m, c in zip(kl["selected_cov_mean"], kl["cov_mean"]))  # the top of the covariance
         assert min(report["curves"][f"clip_cov_global/mbs{mbs}"]["clipped"]) > 0
+
+
+def test_picture_and_report_render_from_the_documented_json(tmp_path):
+    """``--from-json`` (no runs): the committed run's JSON prints its report and draws its picture."""
+    import os
+
+    from experiments.learning import main
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    png = tmp_path / "learning.png"
+    assert main(["--from-json", os.path.join(root, "docs", "learning_cpu.json"), "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 50_000
