@@ -10,8 +10,9 @@ each rank sends per optimizer step:
   top-k over them.
 * current (``verl_klcov_global.selection``): the same first two collectives (56 bytes),
   then a radix search for the k-th key: one all-reduce of a 256-bin int32 histogram
-  (1,024 bytes) per round, at most 8 rounds, then one collective of 8 bytes:
-  ``64 + 1024 * rounds <= 8,256`` bytes, whatever ``k`` and ``N``.
+  (1,024 bytes) per round, at most 8 rounds, then one collective of 8 bytes, then one
+  all-reduce of 4 int64 (the exact sums behind the covariance figures, since issue 22):
+  ``96 + 1024 * rounds <= 8,288`` bytes, whatever ``k`` and ``N``.
 
 ``torch.distributed`` is replaced, inside the module that issues the collectives only, by a
 proxy that counts each call and the bytes of the tensor the rank contributes. The same
@@ -55,7 +56,7 @@ def legacy_formula_bytes(k: int) -> int:
 
 def current_formula_bytes(rounds: int) -> int:
     """Bytes one rank contributes to the collectives of one current selection that took ``rounds`` rounds."""
-    return 8 * 5 + 8 * 2 + 1024 * rounds + 8
+    return 8 * 5 + 8 * 2 + 1024 * rounds + 8 + 8 * 4  # ... + the 4 covariance sums (selection/covariance.py)
 
 
 def _count(module, select, *args, **kwargs):

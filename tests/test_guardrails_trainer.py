@@ -1,7 +1,7 @@
 """The audit of ``docs/GUARDRAILS.md``, pinned on verl 0.9.1's real trainer loop.
 
 Runs: ``RayPPOTrainer.fit`` (legacy trainer) in-process with verl's real ``ActorRolloutRefWorker``
-and FSDP2 engine on CPU, fp32 (:mod:`verl_klcov_global.lab.local_trainer`), ``kl_cov_global``,
+and FSDP2 engine on CPU, fp32 (:mod:`experiments.local_trainer`), ``kl_cov_global``,
 2 steps of 4 prompts x 4 responses, 2 minibatches x 2 epochs. Where a feature needs the rollout's
 log-probs, the rollout adds ``rollout_log_probs`` = ``-log(vocab) + N(0, 0.3)`` (the tiny random
 model's log-probs are close to ``-log(vocab)``), seeded per step.
@@ -21,7 +21,7 @@ import torch
 
 from verl_klcov_global import driver
 from verl_klcov_global.lab import cpu as _cpu
-from verl_klcov_global.lab import local_trainer
+from experiments import local_trainer
 
 RC = "algorithm.rollout_correction."
 ACTOR = "actor_rollout_ref.actor."

@@ -92,8 +92,9 @@ def test_two_ranks_give_the_single_process_mask_bit_for_bit():
             assert result["equal"], result["name"]
             assert result["figures_equal"], result["name"]
             assert result["means_equal"], result["name"]
-            # 5 per-rank stats + 2 sums + <= 8 histograms of 256 bins + 1 last number: independent of k and N
-            assert result["numbers_sent"] <= 5 + 2 + RADIX_ROUNDS * RADIX_BINS + 1, result
+            # 5 per-rank stats + 2 sums + <= 8 histograms of 256 bins + 1 last number + 4 covariance sums:
+            # independent of k and N
+            assert result["numbers_sent"] <= 5 + 2 + RADIX_ROUNDS * RADIX_BINS + 1 + 4, result
 
 
 def _disagreeing_ratios(rank, world_size, port):
@@ -185,8 +186,9 @@ def test_clip_cov_two_ranks_give_the_single_process_sample_bit_for_bit():
         for result in rank_results:
             assert result["equal"], result["name"]
             assert result["figures_equal"], result["name"]
-            # 11 per-rank stats + 3 sums + 2 counts + <= 8 histograms of 256 bins + 1 last number
-            assert result["numbers_sent"] <= 11 + 3 + 2 + RADIX_ROUNDS * RADIX_BINS + 1, result
+            # 11 per-rank stats + 3 sums + 2 counts and 4 covariance sums + <= 8 histograms of 256 bins + 1 last
+            # number + 2 covariance sums over the drawn tokens
+            assert result["numbers_sent"] <= 11 + 3 + 2 + 4 + RADIX_ROUNDS * RADIX_BINS + 1 + 2, result
     rank1 = {r["name"]: r for r in per_rank[1][0]}
     assert rank1["rank1-without-candidates"]["sampled"] and rank1["rank1-without-candidates"]["local_candidates"] == 0
     assert {r["name"]: r for r in per_rank[0][0]}["duplicate-across-ranks"]["sampled"]

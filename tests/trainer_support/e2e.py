@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from verl_klcov_global.lab.local_trainer import write_dataset as lab_write_dataset
+from experiments.local_trainer import write_dataset as lab_write_dataset
 
 from .env import REPO_ROOT
 from .rollout import ROLLOUT_NAME
@@ -14,7 +14,7 @@ REWARD_FILE = os.path.join(REPO_ROOT, "tests", "trainer_support", "reward.py")
 
 
 def write_dataset(path: str, n_prompts: int) -> str:
-    """A parquet file of ``n_prompts`` chat prompts in verl's RL dataset format (the lab's writer)."""
+    """A parquet file of ``n_prompts`` chat prompts in verl's RL dataset format (the experiments' writer)."""
     return lab_write_dataset(path, n_prompts, data_source="kl_cov_global_e2e")
 
 

@@ -1,7 +1,7 @@
 """Kill a trainer run hard during a step and resume it from verl's checkpoint (``tests/test_restart.py``).
 
 Each run is a child process (``python -m tests.trainer_support.restart ...``) of the in-process
-trainer of :mod:`verl_klcov_global.lab.local_trainer`: verl 0.9.1's ``RayPPOTrainer.fit`` with
+trainer of :mod:`experiments.local_trainer`: verl 0.9.1's ``RayPPOTrainer.fit`` with
 verl's real ``ActorRolloutRefWorker`` / FSDP2 engine on CPU, fp32, world size 1; AdamW by default
 (so the optimizer's state has to come back too); ``trainer.save_freq=1`` (verl's
 ``_save_checkpoint`` after every step: the actor's model, optimizer and extra state through its
@@ -42,7 +42,7 @@ def _child(args) -> None:
     import torch
 
     from verl_klcov_global.lab import cpu as _cpu
-    from verl_klcov_global.lab import local_trainer
+    from experiments import local_trainer
 
     os.makedirs(args.out, exist_ok=True)
     metrics_path = os.path.join(args.out, METRICS_FILE)

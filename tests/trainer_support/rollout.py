@@ -14,7 +14,7 @@ rollout name, two registrations, and this module supplies the smallest thing beh
 
 Responses are uniform random token ids (never a special token) of random length in
 ``[1, response_length]``, ended by EOS when shorter than the limit, a pure function of the rollout
-seed, the weight version, verl's stable request id and the prompt (``lab/random_responses.py``;
+seed, the weight version, verl's stable request id and the prompt (``experiments/random_responses.py``;
 needs ``rollout.full_determinism=True``): two runs with the same seed and data get the same
 rollouts, whichever replica serves a request. They do not depend on the policy: the tests exercise
 the trainer's update path, not generation quality. ``log_probs`` are not returned: the trainer

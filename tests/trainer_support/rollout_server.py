@@ -16,13 +16,15 @@ _RESPONSES_MODULE = "_verl_klcov_global_random_responses"
 
 
 def random_responses():
-    """``verl_klcov_global/lab/random_responses.py`` loaded from its file: the plugin package is not
-    imported (the end-to-end test proves that only the entry point loads it)."""
+    """``experiments/random_responses.py`` of this checkout, loaded from its file: nothing else is
+    imported (neither the plugin package -- the end-to-end test proves that only the entry point
+    loads it -- nor ``experiments/__init__``)."""
     if _RESPONSES_MODULE not in sys.modules:
-        package = importlib.util.find_spec("verl_klcov_global")
-        if package is None or not package.submodule_search_locations:
-            raise ImportError("verl_klcov_global is not installed: run scripts/setup.sh")
-        path = os.path.join(list(package.submodule_search_locations)[0], "lab", "random_responses.py")
+        from .env import REPO_ROOT  # standard library only
+
+        path = os.path.join(REPO_ROOT, "experiments", "random_responses.py")
+        if not os.path.exists(path):
+            raise ImportError(f"{path} is missing: the cpu_random rollout needs this repository's experiments/")
         spec = importlib.util.spec_from_file_location(_RESPONSES_MODULE, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -34,7 +36,7 @@ class RandomTokenServer:
     """The "inference server" of one replica: a Ray actor answering ``generate`` with random tokens.
 
     Each response is a pure function of (seed, weight version, request id, prompt ids)
-    (``lab/random_responses.py``), so two runs with the same seed and data get the same rollouts
+    (``experiments/random_responses.py``), so two runs with the same seed and data get the same rollouts
     whatever order the agent loop's requests arrive in. That needs verl's stable request ids
     ``det-<priority>`` (``actor_rollout_ref.rollout.full_determinism=True``); any other request id
     is refused, since a fresh uuid per request would make every run different.

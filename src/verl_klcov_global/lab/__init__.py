@@ -4,7 +4,7 @@
 * :mod:`.tiny` -- a tiny Qwen2 and tokenizer built locally, trainer-shaped minibatches, actor configs;
 * :mod:`.experiment` -- the experiment of verl issue #7829: does an update depend on micro-batching?
 * :mod:`.diagnose` -- that experiment as a report with a verdict (``verl-klcov-global diagnose``);
-* :mod:`.random_responses` -- reproducible random-token responses (standard library only);
-* :mod:`.local_trainer` -- verl's trainer loop (``RayPPOTrainer.fit``) in-process on CPU, reproducibly;
-* :mod:`.trajectory` -- whole runs compared across micro-batch and DP sizes, and their picture.
+
+The research harness built on it (verl's trainer loop in-process, whole runs, learning runs and
+their pictures) lives outside the installed package, in the repository's ``experiments/``.
 """

@@ -28,10 +28,12 @@ whole minibatch):
 Communication per call (``W`` ranks), independent of ``k`` and ``N``: one all-gather of
 11 float64 per rank (three maxima, two token counts, the six knobs: ranks that disagree on
 any of them all raise instead of hanging), one all-reduce of 3 int64 (sums), one all-reduce
-of 2 int64 (candidate and PPO-clipped counts); only when the candidates outnumber the quota,
+of 6 int64 (candidate and PPO-clipped counts, and four exact covariance sums: total, positive,
+over the candidates; :mod:`.covariance`); only when the candidates outnumber the quota,
 :func:`.collectives.select_largest_keys` (at most 8 all-reduces of 1 KiB and one collective
-of 8 bytes per rank). Every rank takes part in every collective, also a rank without
-candidates or without tokens.
+of 8 bytes per rank) and one all-reduce of 2 int64 (the covariance sums over the chosen
+tokens). Every rank takes part in every collective, also a rank without candidates or without
+tokens.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import agree_and_mean, all_reduce, select_largest_keys
+from .covariance import CovarianceFigures, covariance_bound, covariance_figures, local_covariance_sums
 from .keys import MAX_SEED, sequence_hashes, token_keys
 from .knobs import ACTOR, finite_number, ratio_quota, setting, validate_ratio
 
@@ -73,6 +76,7 @@ class ClipCovSelection:
         num_nonfinite: masked tokens with a non-finite advantage, log-prob or old log-prob.
         mean_advantage, mean_log_prob: the group-wide means used for the covariance.
         search_rounds: histogram rounds of the key agreement (0 when no sampling was needed).
+        covariance: the group-wide covariance figures (:mod:`.covariance`) of the selected tokens.
     """
 
     mask: torch.Tensor
@@ -85,9 +89,11 @@ class ClipCovSelection:
     mean_advantage: float
     mean_log_prob: float
     search_rounds: int = 0
+    covariance: CovarianceFigures = CovarianceFigures()
 
     def figures(self) -> dict[str, float]:
-        """The scalar figures, for logging (names without a prefix); ``clipped`` = tokens selected."""
+        """The scalar figures, for logging (names without a prefix); ``clipped`` = tokens selected. The
+        covariance figures are left out where undefined (:meth:`.covariance.CovarianceFigures.figures`)."""
         return {
             "quota": float(self.quota),
             "candidates": float(self.num_candidates),
@@ -95,6 +101,7 @@ class ClipCovSelection:
             "ppo_clipped": float(self.num_ppo_clipped),
             "valid_tokens": float(self.num_valid),
             "nonfinite_tokens": float(self.num_nonfinite),
+            **self.covariance.figures(),
         }
 
 
@@ -214,8 +221,13 @@ def select_clip_cov_tokens(
     (a64, lp64, _), (mean_a, mean_lp, _) = means.values, means.means  # float64, zero outside ``valid``
     cov = a64.sub_(mean_a).mul_(lp64.sub_(mean_lp))  # in place: own buffers
     candidates = valid & ~ppo_clipped & (cov > lb) & (cov < ub)
-    counts = torch.stack([candidates.sum(), ppo_clipped.sum()]).to(torch.int64)
-    num_candidates, num_ppo_clipped = all_reduce(counts, dist.ReduceOp.SUM, group).tolist()
+    bound = covariance_bound(means.maxima[0], means.maxima[1])
+    # the covariance sums over all candidates travel with the counts: they are the chosen tokens' when all fit
+    cov_sums = local_covariance_sums(cov, valid, candidates, bound, means.num_valid)
+    counts = torch.cat([torch.stack([candidates.sum(), ppo_clipped.sum()]).to(torch.int64), cov_sums])
+    reduced = all_reduce(counts, dist.ReduceOp.SUM, group)
+    num_candidates, num_ppo_clipped = reduced[:2].tolist()
+    cov_sums = reduced[2:]
     quota = clip_cov_quota(means.num_valid, ratio)
     k = min(quota, num_candidates)
 
@@ -235,6 +247,8 @@ def select_clip_cov_tokens(
         mask = torch.zeros_like(candidates)
         mask[rows[chosen], columns[chosen]] = True
         rounds = top.rounds
+        chosen_sums = local_covariance_sums(cov, valid, mask, bound, means.num_valid)[2:]
+        cov_sums = torch.cat([cov_sums[:2], all_reduce(chosen_sums, dist.ReduceOp.SUM, group)])
     return ClipCovSelection(
         mask=mask,
         quota=quota,
@@ -246,4 +260,5 @@ def select_clip_cov_tokens(
         mean_advantage=float(mean_a),
         mean_log_prob=float(mean_lp),
         search_rounds=rounds,
+        covariance=covariance_figures(cov_sums, bound, means.num_valid, k),
     )

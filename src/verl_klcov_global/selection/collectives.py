@@ -71,7 +71,8 @@ class GroupMeans:
 
     ``values`` are float64 copies of the inputs, zero outside ``valid`` (the caller may
     overwrite them); ``means`` float64 0-d tensors on the inputs' device, one per input;
-    ``num_valid`` / ``num_nonfinite`` group-wide counts.
+    ``num_valid`` / ``num_nonfinite`` group-wide counts; ``maxima`` the group-wide largest
+    ``|input|`` over valid tokens (float64 0-d tensors), the same on every rank.
     """
 
     valid: torch.Tensor
@@ -79,6 +80,7 @@ class GroupMeans:
     means: tuple[torch.Tensor, ...]
     num_valid: int
     num_nonfinite: int
+    maxima: tuple[torch.Tensor, ...] = ()
 
 
 def _fixed_point_exponent(max_abs: torch.Tensor, token_bound: torch.Tensor) -> torch.Tensor:
@@ -166,7 +168,31 @@ def agree_and_mean(
     sums = all_reduce(torch.stack(fixed), dist.ReduceOp.SUM, group)
     denom = max(num_valid, 1)
     means = tuple(sums[i].to(torch.float64) * torch.exp2(-exponents[i]) / denom for i in range(n_inputs))
-    return GroupMeans(valid=valid, values=values, means=means, num_valid=num_valid, num_nonfinite=num_nonfinite)
+    return GroupMeans(valid=valid, values=values, means=means, num_valid=num_valid, num_nonfinite=num_nonfinite,
+                      maxima=tuple(global_max[i] for i in range(n_inputs)))
+
+
+def fixed_point_sums(values: tuple[torch.Tensor, ...], bound: torch.Tensor, token_bound: int) -> torch.Tensor:
+    """This rank's part of exact group sums: an int64 tensor, one fixed-point sum per tensor of ``values``.
+
+    ``bound`` (float64 0-d) bounds every ``|value|`` on every rank and ``token_bound`` the number of
+    non-zero terms over the group; both must be the same on every rank (group-wide figures), so that
+    every rank uses the same scale. Then the all-reduced (SUM) integers, times
+    :func:`fixed_point_scale`, are the sums of the values rounded to one grid -- bit-identical
+    however the terms are spread over ranks. Pass the result through one all-reduce, possibly
+    stacked with other int64 figures (no collective of its own).
+    """
+    exponent = _fixed_point_exponent(bound, torch.tensor(float(max(token_bound, 1)), dtype=torch.float64,
+                                                         device=bound.device))
+    scale = torch.exp2(exponent)
+    return torch.stack([(v.to(torch.float64) * scale).round_().sum(dtype=torch.int64) for v in values])
+
+
+def fixed_point_scale(bound: torch.Tensor, token_bound: int) -> float:
+    """The factor turning all-reduced :func:`fixed_point_sums` back into float sums."""
+    exponent = _fixed_point_exponent(bound, torch.tensor(float(max(token_bound, 1)), dtype=torch.float64,
+                                                         device=bound.device))
+    return float(torch.exp2(-exponent))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,8 +30,9 @@ Communication per call (``group`` with ``W`` ranks), independent of ``k`` and ``
 one all-gather of 5 float64 per rank (two maxima, two token counts, the ratio -- ranks
 that disagree on the ratio all raise instead of hanging), one all-reduce of 2 int64, then
 :func:`.collectives.select_largest_keys`: at most 8 all-reduces of 1 KiB and one last
-collective of 8 bytes per rank. Every rank takes part in every collective, also a rank
-without valid tokens.
+collective of 8 bytes per rank, then one all-reduce of 4 int64: the exact sums behind the
+covariance figures (:mod:`.covariance`). Every rank takes part in every collective, also a
+rank without valid tokens.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import agree_and_mean, float_order_keys, key_to_float, select_largest_keys
+from .collectives import agree_and_mean, all_reduce, float_order_keys, key_to_float, select_largest_keys
+from .covariance import CovarianceFigures, covariance_bound, covariance_figures, local_covariance_sums
 from .knobs import ratio_quota, validate_ratio
 
 __all__ = ["KLCovSelection", "select_kl_cov_tokens", "kl_cov_quota", "validate_kl_cov_ratio"]
@@ -66,6 +68,8 @@ class KLCovSelection:
         mean_advantage: the group-wide mean of ``A`` used for the covariance.
         mean_log_prob: the group-wide mean of ``logp`` used for the covariance.
         search_rounds: histogram rounds the threshold search took (at most 8).
+        covariance: the group-wide covariance figures (:mod:`.covariance`): mean covariance,
+            mean covariance of the selected tokens, their share of the positive covariance.
     """
 
     mask: torch.Tensor
@@ -77,11 +81,13 @@ class KLCovSelection:
     mean_advantage: float
     mean_log_prob: float
     search_rounds: int = 0
+    covariance: CovarianceFigures = CovarianceFigures()
 
     def figures(self) -> dict[str, float]:
         """The scalar figures, for logging (names without a prefix).
 
-        ``cov_threshold`` is left out when nothing is selected (it is undefined), so no NaN reaches a logger.
+        ``cov_threshold`` is left out when nothing is selected (it is undefined), so no NaN reaches a logger;
+        so are the covariance figures that are undefined (:meth:`.covariance.CovarianceFigures.figures`).
         """
         figures = {
             "quota": float(self.quota),
@@ -91,6 +97,7 @@ class KLCovSelection:
         }
         if self.num_selected:
             figures["cov_threshold"] = self.threshold
+        figures.update(self.covariance.figures())
         return figures
 
 
@@ -145,6 +152,9 @@ def select_kl_cov_tokens(
     quota = kl_cov_quota(means.num_valid, ratio)
     cov = a.sub_(mean_a).mul_(lp.sub_(mean_lp))  # in place: own buffers
     top = select_largest_keys(float_order_keys(cov), means.valid, quota, means.num_valid, group)
+    bound = covariance_bound(*means.maxima)
+    sums = all_reduce(local_covariance_sums(cov, means.valid, top.mask, bound, means.num_valid),
+                      dist.ReduceOp.SUM, group)
     return KLCovSelection(
         mask=top.mask,
         quota=quota,
@@ -155,4 +165,5 @@ def select_kl_cov_tokens(
         mean_advantage=float(mean_a),
         mean_log_prob=float(mean_lp),
         search_rounds=top.rounds,
+        covariance=covariance_figures(sums, bound, means.num_valid, quota),
     )

@@ -7,7 +7,7 @@ arrive in. ``weight_version`` is the actor version the rollout serves (0 before 
 of one prompt (verl's ``det-<priority>`` request id under ``rollout.full_determinism``, i.e. the
 sample's index in the trainer's batch).
 
-Used by the in-process trainer (:mod:`verl_klcov_global.lab.trajectory`) and, loaded from this
+Used by the in-process trainer (:mod:`experiments.local_trainer`) and, loaded from this
 file, by the test-only ``cpu_random`` Ray rollout server (``tests/trainer_support``).
 """
 

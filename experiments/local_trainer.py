@@ -41,7 +41,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from . import cpu as _cpu
+from verl_klcov_global.lab import cpu as _cpu
 from . import random_responses
 
 #: Loss modes a run may use: verl's own and the plugin's.
@@ -68,7 +68,7 @@ class RunConfig:
     max_response_length: int = 24
     # SGD, not verl's default AdamW: AdamW divides by sqrt(v), which blows the float noise of near-zero
     # gradients up to ~lr-sized parameter differences (vanilla's floor ~50x higher here), and a discrete
-    # selection computed on parameters that noisy can flip a near-tie (see lab.trajectory).
+    # selection computed on parameters that noisy can flip a near-tie (see experiments.trajectory).
     optimizer: str = "SGD"             # actor.optim.optimizer (torch.optim)
     lr: float = 0.05
     seed: int = 1
@@ -90,6 +90,7 @@ class RunResult:
     metrics: list[dict[str, float]] = field(default_factory=list)
     params: list[torch.Tensor] = field(default_factory=list)   # float64, full vector, sorted HF keys
     rollout_digest: list[str] = field(default_factory=list)    # per step: hash of the batch's tokens
+    rollout_figures: list[dict[str, float]] = field(default_factory=list)  # per step, if the rollout records any
 
 
 def write_dataset(path: str, n_prompts: int, data_source: str = "trajectory_cpu") -> str:
@@ -271,23 +272,31 @@ class RandomRollout:
         self.weight_version: Optional[int] = None
         self.digests: list[str] = []  # per call: a hash of the generated batch's tokens
 
+    def respond(self, prompts: Sequence[Sequence[int]]) -> list[tuple[list[int], float]]:
+        """(response ids, score) per prompt; sample ``i``'s request id is ``det-<i>``."""
+        rows = []
+        for index, prompt in enumerate(prompts):
+            response = random_responses.random_response(
+                seed=self.seed, weight_version=self.weight_version, request_key=f"det-{index}", prompt_ids=prompt,
+                max_tokens=self.max_response_length, vocab_size=len(self.tokenizer),
+                eos_token_id=self.tokenizer.eos_token_id)
+            rows.append((response, random_responses.length_score(self.tokenizer.decode(response,
+                                                                                       skip_special_tokens=True))))
+        return rows
+
     def generate_sequences(self, gen_batch):
         from verl import DataProto
         from verl.utils.model import compute_position_id_with_mask
 
         pad = self.tokenizer.pad_token_id
-        rows = []
-        for index, messages in enumerate(gen_batch.non_tensor_batch["raw_prompt"]):
+        prompts = []
+        for messages in gen_batch.non_tensor_batch["raw_prompt"]:
             prompt = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
             prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
             if len(prompt) > self.max_prompt_length:
                 raise ValueError(f"prompt of {len(prompt)} tokens > data.max_prompt_length={self.max_prompt_length}")
-            response = random_responses.random_response(
-                seed=self.seed, weight_version=self.weight_version, request_key=f"det-{index}", prompt_ids=prompt,
-                max_tokens=self.max_response_length, vocab_size=len(self.tokenizer),
-                eos_token_id=self.tokenizer.eos_token_id)
-            score = random_responses.length_score(self.tokenizer.decode(response, skip_special_tokens=True))
-            rows.append((prompt, response, score))
+            prompts.append(prompt)
+        rows = [(prompt, response, score) for prompt, (response, score) in zip(prompts, self.respond(prompts))]
 
         n, p_len, r_len = len(rows), self.max_prompt_length, self.max_response_length
         prompts = torch.full((n, p_len), pad, dtype=torch.long)
@@ -394,11 +403,14 @@ def _batch_digest(input_ids: torch.Tensor) -> str:
     return hashlib.sha256(input_ids.numpy().tobytes()).hexdigest()[:16]
 
 
-def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0,
-                extra_overrides: Sequence[str] = (), customize=None) -> RunResult:
+def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0, make_rollout=None,
+                dataset=write_dataset, extra_overrides: Sequence[str] = (), customize=None) -> RunResult:
     """One run of ``RayPPOTrainer.fit`` for ``run``; torch.distributed must be initialised with
     ``run.world_size`` ranks (:func:`run_local` / :func:`run_spawned` do that).
 
+    ``make_rollout(tokenizer, run, params)`` (default: :class:`RandomRollout`) builds the rollout;
+    ``params`` is the list :class:`WeightSync` appends every weight version to. ``dataset(path,
+    n_prompts)`` writes the training prompts (default: :func:`write_dataset`).
     ``extra_overrides``: more Hydra overrides of verl's config, replacing those of
     :func:`trainer_overrides` with the same key (e.g. ``trainer.save_freq=1``,
     ``trainer.resume_mode=auto``). ``customize(trainer, worker, rollout)``: called once everything
@@ -416,7 +428,7 @@ def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0
     train_file = os.path.join(work_dir, f"train-{n_prompts}.parquet")
     if rank == 0 and not os.path.exists(train_file):
         os.makedirs(work_dir, exist_ok=True)
-        write_dataset(train_file, n_prompts=n_prompts)
+        dataset(train_file, n_prompts)
     if run.world_size > 1:
         torch.distributed.barrier()
     overrides = trainer_overrides(run, model_path=model_path, train_file=train_file, out_dir=work_dir)
@@ -429,8 +441,11 @@ def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0
     worker = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
     worker.init_model()
     result = RunResult(config=run)
-    rollout = RandomRollout(tokenizer, seed=run.seed, max_prompt_length=run.max_prompt_length,
-                            max_response_length=run.max_response_length)
+    if make_rollout is None:
+        rollout = RandomRollout(tokenizer, seed=run.seed, max_prompt_length=run.max_prompt_length,
+                                max_response_length=run.max_response_length)
+    else:
+        rollout = make_rollout(tokenizer, run, result.params)
     trainer = RayPPOTrainer(config=config, tokenizer=tokenizer,
                             role_worker_mapping={Role.ActorRollout: ActorRolloutRefWorker},
                             resource_pool_manager=_ResourcePools(run.world_size), device_name="cpu")
@@ -449,6 +464,7 @@ def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0
         trainer.fit()
     result.metrics = [dict(r) for r in records]
     result.rollout_digest = list(rollout.digests)
+    result.rollout_figures = [dict(f) for f in getattr(rollout, "figures", [])]
     resumed = int(result.metrics[0]["step"]) - 1 if result.metrics else 0  # 0 unless resumed from a checkpoint
     if len(result.metrics) != run.steps - resumed or len(result.params) != run.steps - resumed + 1:
         raise RuntimeError(f"{run.label()}: {len(result.metrics)} logged steps and {len(result.params)} weight "
@@ -457,8 +473,10 @@ def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0
     return result
 
 
-def run_local(runs: Sequence[RunConfig], *, model_path: str, work_dir: str, progress=None) -> list[RunResult]:
-    """World-size-1 runs, one after another in this process (one gloo group of size 1 for all)."""
+def run_local(runs: Sequence[RunConfig], *, model_path: str, work_dir: str, progress=None,
+              **trainer_kwargs) -> list[RunResult]:
+    """World-size-1 runs, one after another in this process (one gloo group of size 1 for all);
+    ``trainer_kwargs`` go to :func:`run_trainer` (``make_rollout``, ``dataset``)."""
     _cpu.install_cpu_platform()
     _cpu.init_process_group_cpu(0, 1)
     # The tiny model's ops are far too small for intra-op threads: one thread is faster, and much
@@ -470,12 +488,12 @@ def run_local(runs: Sequence[RunConfig], *, model_path: str, work_dir: str, prog
             raise ValueError(f"{run.label()}: run_local runs world size 1 only; use run_spawned")
         if progress:
             progress(f"run {run.label()}")
-        results.append(run_trainer(run, model_path=model_path, work_dir=work_dir))
+        results.append(run_trainer(run, model_path=model_path, work_dir=work_dir, **trainer_kwargs))
     return results
 
 
 def _spawned_rank(rank: int, world_size: int, port: int, runs, model_path: str, work_dir: str, quiet: bool):
-    from .diagnose import quiet_verl
+    from verl_klcov_global.lab.diagnose import quiet_verl
 
     _cpu.install_cpu_platform()
     _cpu.init_process_group_cpu(rank, world_size, port)

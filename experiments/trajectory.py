@@ -1,6 +1,6 @@
 """Whole training runs, upstream vs global: does ``ppo_micro_batch_size_per_gpu`` change the run?
 
-``python -m verl_klcov_global.lab.trajectory --png docs/trajectory_cpu.png`` trains the tiny model
+``python -m experiments.trajectory --png docs/trajectory_cpu.png`` trains the tiny model
 with verl's trainer loop (:mod:`.local_trainer`) once per loss mode and micro-batch size -- GRPO,
 several minibatches and PPO epochs per step -- and compares the two micro-batch sizes step by step:
 the logged actor metrics and the distance between the parameter vectors. ``vanilla`` (no
@@ -292,7 +292,7 @@ def plot(report: dict, path: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m verl_klcov_global.lab.trajectory", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m experiments.trajectory", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--png", help="write the picture here (needs matplotlib)")
     parser.add_argument("--json", help="write the full report here")
@@ -304,8 +304,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.steps < 1:
         parser.error("--steps must be >= 1")
 
-    from .diagnose import quiet_verl
-    from .tiny import build_tiny_model
+    from verl_klcov_global.lab.diagnose import quiet_verl
+    from verl_klcov_global.lab.tiny import build_tiny_model
 
     base = RunConfig(steps=args.steps, seed=args.seed)
     with tempfile.TemporaryDirectory(prefix="trajectory_cpu_") as work_dir:

@@ -2,7 +2,7 @@
 
 The runs are verl 0.9.1's trainer loop (``RayPPOTrainer.fit``, legacy trainer) with verl's real
 ``ActorRolloutRefWorker`` and FSDP2 engine on CPU, Ray's process plumbing and the text generator
-replaced in-process (``verl_klcov_global.lab.local_trainer``). GRPO, 3 steps of 4 prompts x 4
+replaced in-process (``experiments.local_trainer``). GRPO, 3 steps of 4 prompts x 4
 responses, 2 minibatches x 2 PPO epochs per step (12 optimizer steps), SGD (``RunConfig.optimizer``:
 AdamW can turn float noise into a flipped selection near-tie; docs/WHOLE_RUNS.md).
 
@@ -12,7 +12,7 @@ AdamW can turn float noise into a flipped selection near-tie; docs/WHOLE_RUNS.md
   by at most ``NOISE_FACTOR`` times what ``vanilla`` (no selection) differs for the same change --
   parameters, pg_loss, ppo_kl, grad_norm, entropy -- with identical selection counts; upstream
   ``kl_cov`` and ``clip_cov`` split by more than that (they do: by ~10^3 in parameters).
-* DP 2 vs 1 (one minibatch per step, see ``lab.trajectory``): the same verdicts.
+* DP 2 vs 1 (one minibatch per step, see ``experiments.trajectory``): the same verdicts.
 
 Also, fast: the random responses are a pure function of their key, and the ``cpu_random`` server of
 the ``main_ppo`` tests serves them only for verl's stable request ids.
@@ -25,9 +25,9 @@ import random
 
 import pytest
 
-from verl_klcov_global.lab import random_responses
-from verl_klcov_global.lab.local_trainer import RunConfig
-from verl_klcov_global.lab.trajectory import NOISE_FACTOR, format_report, run_experiment
+from experiments import random_responses
+from experiments.local_trainer import RunConfig
+from experiments.trajectory import NOISE_FACTOR, format_report, run_experiment
 
 pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
 
@@ -122,7 +122,7 @@ def test_selection_acts_in_every_step(report):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_picture_is_a_png_of_the_report(report, tmp_path):
-    from verl_klcov_global.lab.trajectory import plot
+    from experiments.trajectory import plot
 
     path = tmp_path / "trajectory.png"
     plot(report, str(path))

@@ -1,0 +1,135 @@
+"""Learning runs on verl's trainer loop with policy-sampled rollouts (``experiments.learning``), shortened.
+
+The slow test trains the 64-id tiny Qwen2 from scratch for :data:`STEPS` GRPO steps with
+``vanilla``, upstream ``kl_cov``, ``kl_cov_global`` and ``clip_cov_global`` at micro-batch sizes 1
+and 4 -- the figure's run shortened (:data:`TEST_BASE`: 4 prompts x 8 responses of 8 tokens per
+step, 2 minibatches x 2 PPO epochs, SGD lr 0.1 instead of 0.03 so that 6 steps show learning) --
+and asserts:
+
+* vanilla learns: its reward rises and its entropy falls (the full 40-step run's thresholds --
+  reward +0.5, entropy to <= 20% -- are the figure's, docs/LEARNING.md);
+* each global mode's per-step selection counts are identical at both micro-batch sizes, and its
+  entropy and reward curves agree within ``NOISE_FACTOR`` (10) times vanilla's own micro-batch
+  difference (at least one float32 spacing of the logged entropy);
+* upstream ``kl_cov`` differs by more than that.
+
+The tolerance's basis: vanilla's difference between micro-batch sizes is float summation order
+only (~1e-7 in parameters per step). Sampling would turn any parameter difference into different
+tokens eventually, but a token flips only when its uniform draw lands within that ~1e-7 of a
+boundary of the sampling distribution's CDF: over the test's 8 x 512 draws per run that has a
+probability of order 1e-3 (here 6 x 256), so the rollouts of vanilla and of the global modes stay identical at both
+micro-batch sizes -- the test checks that too -- and their curves differ by float noise only.
+Upstream ``kl_cov`` selects different tokens per micro-batch (at size 1 every covariance is 0), so
+its parameters differ by the penalty's gradient, its samples part, and its curves split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from experiments.learning import NOISE_FACTOR, format_report, run_runs, summarize
+from experiments.learning import BASE as FIGURE_BASE
+from experiments.learning_task import TARGET_IDS, VOCAB_SIZE, build_learning_model, build_tokenizer, target_fraction
+from experiments.policy_rollout import PolicySampler, grpo_advantages, request_seed
+
+STEPS = 6
+TEST_BASE = replace(FIGURE_BASE, steps=STEPS, prompts_per_step=4, mini_batch_prompts=2, lr=0.1)
+MODES = ("vanilla", "kl_cov", "kl_cov_global", "clip_cov_global")
+
+
+@pytest.fixture(scope="module")
+def learning_model(tmp_path_factory):
+    return build_learning_model(str(tmp_path_factory.mktemp("learning") / "model"))
+
+
+def test_task_tokenizer_has_64_ids_and_short_prompts():
+    tok = build_tokenizer()
+    assert len(tok) == VOCAB_SIZE and tok.pad_token_id == 0 and tok.eos_token_id == 2
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 123 + 124?"}], add_generation_prompt=True,
+                                  tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert len(ids) <= FIGURE_BASE.max_prompt_length and tok.unk_token_id not in ids
+    assert not set(ids) & set(TARGET_IDS)
+    assert target_fraction([TARGET_IDS[0], 5, TARGET_IDS[-1], 7]) == 0.5 and target_fraction([]) == 0.0
+
+
+def test_grpo_advantages_are_verls():
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    scores = [0.125, 0.25, 0.0, 0.125, 0.5, 0.5, 0.5, 0.5, 0.375, 0.0]
+    groups = ["a", "a", "a", "a", "b", "b", "b", "b", "c", "c"]
+    token_scores = torch.zeros(len(scores), 3)
+    token_scores[:, -1] = torch.tensor(scores)
+    ours = grpo_advantages(scores, groups)
+    verls, _ = compute_grpo_outcome_advantage(token_scores, torch.ones(len(scores), 3), index=groups)
+    assert torch.equal(torch.tensor(ours, dtype=torch.float32), verls[:, 0])
+
+
+def test_sampler_draws_a_pure_function_of_weights_and_request(learning_model):
+    sampler = PolicySampler(learning_model)
+    start = sampler.flat()
+    prompts = [[1, 4, 5, 6, 21, 11, 2, 1, 5], [1, 4, 5, 6, 22, 11, 2, 1, 5]]
+    seeds = [request_seed(1, 0, f"det-{i}", p) for i, p in enumerate(prompts)]
+    first = sampler.sample(prompts, seeds, 8)
+    assert sampler.sample(prompts, seeds, 8) == first
+    assert all(len(t) == 8 and all(0 <= x < VOCAB_SIZE for x in t) for t in first[0])
+    assert first[0][0] != first[0][1]  # different requests, different draws
+    # other weights, other draws; the recorded weights again, the same draws
+    sampler.load_flat(start + 0.5 * torch.randn(start.shape, generator=torch.Generator().manual_seed(0),
+                                                dtype=torch.float64))
+    assert sampler.sample(prompts, seeds, 8)[0] != first[0]
+    sampler.load_flat(start)
+    assert torch.equal(sampler.flat(), start) and sampler.sample(prompts, seeds, 8) == first
+    assert request_seed(1, 0, "det-0", prompts[0]) != request_seed(1, 1, "det-0", prompts[0])
+    assert request_seed(1, 0, "det-0", prompts[0]) != request_seed(2, 0, "det-0", prompts[0])
+
+
+@pytest.fixture(scope="module")
+def report(learning_model, tmp_path_factory):
+    runs = [replace(TEST_BASE, loss_mode=m, micro_batch_size=b) for m in MODES for b in (1, 4)]
+    result = summarize(run_runs(runs, model_path=learning_model, work_dir=str(tmp_path_factory.mktemp("runs")), jobs=1))
+    print("\n" + format_report(result))
+    return result
+
+
+@pytest.mark.slow
+def test_vanilla_learns_and_its_entropy_falls(report):
+    for mbs in (1, 4):
+        curve = report["curves"][f"vanilla/mbs{mbs}"]
+        assert curve["reward"][-1] - curve["reward"][0] >= 0.05, curve["reward"]
+        assert curve["entropy"][0] - curve["entropy"][-1] >= 0.02, curve["entropy"]
+        # the rollout samples from the trainer's current weights: its entropy is verl's, to float noise
+        assert max(abs(a - b) for a, b in zip(curve["entropy"], curve["sample_entropy"])) < 1e-4
+
+
+@pytest.mark.slow
+def test_global_modes_stay_on_vanillas_floor_and_upstream_kl_cov_splits(report):
+    pairs = report["pairs"]
+    assert pairs["vanilla"]["same_rollouts"], pairs["vanilla"]
+    for mode in ("kl_cov_global", "clip_cov_global"):
+        pair = pairs[mode]
+        assert pair["counts_identical"] is True, (mode, pair)
+        assert pair["same_rollouts"], (mode, pair)
+        assert max(pair["ratio_to_vanilla"].values()) <= NOISE_FACTOR, (mode, pair)
+    assert pairs["kl_cov"]["ratio_to_vanilla"]["entropy"] > NOISE_FACTOR, pairs["kl_cov"]
+    # not vacuous: the global modes select in every step and log their covariance figures
+    for mbs in (1, 4):
+        kl = report["curves"][f"kl_cov_global/mbs{mbs}"]
+        assert min(kl["selected"]) >= 1 and all(0.0 < s <= 1.0 for s in kl["selected_cov_share"])
+        assert all(m > c for m, c in zip(kl["selected_cov_mean"], kl["cov_mean"]))  # the top of the covariance
+        assert min(report["curves"][f"clip_cov_global/mbs{mbs}"]["clipped"]) > 0
+
+
+def test_picture_and_report_render_from_the_documented_json(tmp_path):
+    """``--from-json`` (no runs): the committed run's JSON prints its report and draws its picture."""
+    import os
+
+    from experiments.learning import main
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    png = tmp_path / "learning.png"
+    assert main(["--from-json", os.path.join(root, "docs", "learning_cpu.json"), "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 50_000
