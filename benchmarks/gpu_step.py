@@ -13,7 +13,7 @@ memory from ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`
 * ``compute_log_prob``: verl's actor log-prob pass on the minibatch (:func:`compute_log_prob`);
   its first call is the warm-up and gives the ``old_log_probs`` of the minibatch, as in training;
 * ``prepass``: the plugin's work before verl's step, alone: ``engine.optimizer_zero_grad()`` (the hook
-  frees the gradients first) and ``engine_prepass.run_prepass_and_select`` (the no-grad forward in the inference
+  frees the gradients first) and ``engine.prepass.run_prepass_and_select`` (the no-grad forward in the inference
   layout and the selection);
 * ``step <mode>``: one ``engine.train_batch`` (zero_grad, all micro-batches, optimizer step) for verl's
   mode and the plugin's global mode (prepass and selection included), for every global mode whose verl
@@ -267,6 +267,7 @@ def _operations(engine, batch, sizes, modes: list[str], figures: Figures) -> dic
     from verl_klcov_global.engine import prepass as engine_prepass
     from verl_klcov_global.lab import tiny as _tiny
     from verl_klcov_global.config import read_kl_cov_settings
+    from verl_klcov_global.modes import KL_COV
 
     configs = {mode: _tiny.make_actor_config(loss_mode=mode, kl_cov_ratio=sizes.kl_cov_ratio, ppo_kl_coef=1.0,
                                              ppo_mini_batch_size=sizes.step_batch) for mode in modes}
@@ -278,7 +279,7 @@ def _operations(engine, batch, sizes, modes: list[str], figures: Figures) -> dic
         """The hook's work before verl's step: free the gradients, prepass forward, selection."""
         with engine.train_mode():
             engine.optimizer_zero_grad()
-            return engine_prepass.run_prepass_and_select(engine, batch.copy(), settings)
+            return engine_prepass.run_prepass_and_select(engine, batch.copy(), settings, KL_COV)
 
     def train_step(mode: str):
         counter: list = []

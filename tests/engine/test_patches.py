@@ -1,9 +1,10 @@
-"""PATCH ``train_batch_prepass`` (``hook.py``): installation, its verl contracts, and what it must not touch.
+"""PATCH ``train_batch_prepass`` (``engine/patches.py``, ``engine/step.py``): installation, its verl contracts,
+and what it must not touch.
 
 * the entry point installs it on a plain ``import verl``; installing again changes nothing;
-* the patch target and the verl calls around it look the way hook.py expects (verl 0.9.1 and 0.8.0), so an
-  upstream change fails here and not silently in training;
-* every loss mode other than kl_cov_global runs verl's own ``train_batch`` (bit-identical update);
+* the patch target and the verl behaviour around it are what the engine patch expects (verl 0.9.1 and 0.8.0),
+  so an upstream change fails here (and at import, in seams.py) and not silently in training;
+* every loss mode outside the mode table runs verl's own ``train_batch`` (bit-identical update);
 * the prepass restores the RNG state and ``module.training``;
 * an engine the hook does not cover fails before any forward;
 * ``prepass_layout`` ("train" / "infer") through ``KLCovGlobalPolicyLossConfig``.
