@@ -1,6 +1,6 @@
 """The covariance figures of both selections against a direct float64 computation.
 
-(Bit-identity over 2 gloo ranks: ``tests/test_selection_distributed.py`` compares every figure of
+(Bit-identity over 2 gloo ranks: ``tests/selection/test_distributed.py`` compares every figure of
 a sharded selection with the single-process one, these included.)
 """
 

@@ -20,9 +20,11 @@ import os
 from types import SimpleNamespace
 from typing import Any, Sequence
 
-from verl_klcov_global.configs import CONFIG_DIR as PLUGIN_CONFIG_DIR
+from hydra_plugins.verl_klcov_global_searchpath.verl_klcov_global_searchpath import config_dir
 
-CONFIG_DIR = PLUGIN_CONFIG_DIR  # the package's configs (src/verl_klcov_global/configs)
+#: The package's configs (src/verl_klcov_global/configs), found as the search-path plugin finds them:
+#: without importing the plugin, so tests that check who loads the plugin stay true.
+CONFIG_DIR = config_dir()
 CONFIG_NAME = "kl_cov_global"
 
 
