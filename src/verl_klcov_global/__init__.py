@@ -11,9 +11,15 @@ from importlib import metadata as _metadata
 
 import verl  # noqa: F401  (loads verl's entry-point plugins first, this one included)
 
-from .seams import check_seams as _check_seams
+from . import seams as _seams
 
-_check_seams()  # a moved verl seam fails here, by name, before anything is patched or registered
+try:
+    _seams.check_seams()  # a moved verl seam fails here, by name, before anything is patched or registered
+except _seams.VerlSeamError as _error:
+    # verl's entry-point loader would log this at DEBUG only: stderr now, and the same error from every later
+    # lookup of a global mode in this process (registry, validate_config). See seams.make_seam_error_visible.
+    _seams.make_seam_error_visible(_error)
+    raise
 
 from .config import MASK_FIELD, ClipCovGlobalPolicyLossConfig, KLCovGlobalPolicyLossConfig
 from .loss import (

@@ -21,21 +21,38 @@ What is checked (names, signatures, dataclass fields; no verl source text):
   ``prepass_batched_logsumexp``), ``masked_mean``, ``get_device_name`` / ``get_device_id``;
 * ``verl.utils.config.validate_config(config, use_reference_policy, use_critic)`` (patched in the driver).
 
-Known to work: verl 0.8.0 and 0.9.1 (``tests/test_seams.py`` runs on both).
+Known to work: :data:`KNOWN_VERL_VERSIONS` (the releases a user can pin; the test suite's verl sources are
+listed in docs/DEVELOPING.md, "verl versions").
+
+A moved seam must be seen, whatever route loads the plugin. verl's entry-point loader catches any
+exception a plugin raises and logs it at DEBUG only, so :func:`make_seam_error_visible` (called by the
+package on a failed check) also writes the message to stderr, once per process, and makes every later
+lookup of a global mode in that process raise the same :class:`VerlSeamError` instead of verl's
+"Unsupported loss mode": the loss names in verl's registry, and ``validate_config`` when the trainer
+config selects the plugin. That code uses nothing the seams describe beyond what it checks on the spot.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-__all__ = ["KNOWN_VERL_VERSIONS", "SEAMS", "Seam", "VerlSeamError", "check_seams", "known_versions_text"]
+__all__ = ["GLOBAL_MODE_NAMES", "KNOWN_VERL_VERSIONS", "SEAMS", "Seam", "VerlSeamError", "check_seams",
+           "known_versions_text", "make_seam_error_visible", "seam_error_message"]
 
-#: verl releases the whole test suite (0.9.1) or its version subset (0.8.0) passed on.
+#: verl releases a user can install that the plugin is known to work on (the pin the seam error suggests
+#: is the last one). Only installable releases: a development snapshot the suite also ran on is listed in
+#: docs/DEVELOPING.md, not here.
 KNOWN_VERL_VERSIONS = ("0.8.0", "0.9.1")
+#: The loss modes the package registers (``modes.MODES``' built-in names; ``tests/test_seams.py`` keeps the two
+#: equal). Named here so that a process whose seam check failed can still answer for them.
+GLOBAL_MODE_NAMES = ("kl_cov_global", "clip_cov_global")
 
 
 class VerlSeamError(ImportError):
@@ -225,22 +242,149 @@ def check_seams(seams: Optional[tuple[Seam, ...]] = None, *, force: bool = False
         except _Moved as mismatch:
             moved.append(f"  - {seam.name}: {mismatch}")
     if moved:
-        raise VerlSeamError(
-            f"verl_klcov_global cannot run on the installed verl ({_installed_version()}): "
-            f"{len(moved)} seam(s) it patches or reads moved:\n" + "\n".join(moved) + "\n"
-            f"Known to work: verl {known_versions_text()}. Install one of them (e.g. pip install 'verl=="
-            f"{KNOWN_VERL_VERSIONS[-1]}') or update verl_klcov_global for this verl."
-        )
+        raise VerlSeamError(seam_error_message(moved))
     if seams is SEAMS:
         _CHECKED = True
     return [seam.name for seam in seams]
 
 
-def _installed_version() -> str:
-    """For the message only: nothing depends on the version string."""
-    try:
-        import verl
+def seam_error_message(moved: list[str]) -> str:
+    """The one text of the seam error (driver, every Ray worker, stderr and exception alike).
 
-        return f"verl {getattr(verl, '__version__', 'of unknown version')}"
-    except ImportError:  # pragma: no cover - the plugin imports verl first
-        return "verl not importable"
+    ``moved``: one line per moved seam (``"  - <seam>: <what was found>"``). Names the verl found (version and
+    path), the versions known to work and what to do.
+    """
+    return (
+        f"verl-klcov-global {_plugin_version()} cannot run on the verl it found ({_verl_found()}): "
+        f"{len(moved)} seam(s) it patches or reads moved:\n" + "\n".join(moved) + "\n"
+        f"Its loss modes ({', '.join(GLOBAL_MODE_NAMES)}) are not available in this process. "
+        f"Known to work: verl {known_versions_text()}. To fix: pin a verl known to work "
+        f"(pip install \"verl=={KNOWN_VERL_VERSIONS[-1]}\") where the driver and the Ray workers run, "
+        f"or upgrade verl-klcov-global to a release that supports this verl."
+    )
+
+
+def _plugin_version() -> str:
+    try:
+        from importlib import metadata
+
+        return metadata.version("verl-klcov-global")
+    except Exception:  # a source tree that was never installed
+        return "(version unknown)"
+
+
+def _verl_found() -> str:
+    """For the message only: nothing depends on the version string."""
+    verl = sys.modules.get("verl")
+    if verl is None:
+        try:
+            import verl
+        except Exception:  # pragma: no cover - the plugin imports verl first
+            return "verl not importable"
+    where = os.path.dirname(os.path.abspath(getattr(verl, "__file__", None) or "?"))
+    return f"verl {getattr(verl, '__version__', 'of unknown version')} at {where}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Making a failed check visible on every route
+
+#: The failed check's message in this process (None while no check failed).
+_SEAM_ERROR_MESSAGE: Optional[str] = None
+#: Marks what :func:`make_seam_error_visible` put in place (a registry entry, the ``validate_config`` guard).
+SEAM_ERROR_ATTR = "__verl_klcov_global_seam_error__"
+_ERROR_NAME = f"{__name__}.{VerlSeamError.__qualname__}"
+
+
+def make_seam_error_visible(error: VerlSeamError) -> None:
+    """Make a failed seam check seen in this process even where verl swallows the exception.
+
+    Called by ``verl_klcov_global/__init__.py`` before it re-raises ``error``. It
+
+    1. writes ``verl_klcov_global.seams.VerlSeamError: <message>`` to stderr, once per process (verl's
+       entry-point loader logs the exception at DEBUG only);
+    2. registers, in verl's ``POLICY_LOSS_REGISTRY`` (if it is still a dict), each name of
+       :data:`GLOBAL_MODE_NAMES` not registered yet with a function that raises the same error, so a worker's
+       first loss call says why instead of verl's ``Unsupported loss mode``;
+    3. wraps ``verl.utils.config.validate_config`` (whatever its signature; ``main_ppo`` calls it in the driver
+       before Ray starts) to raise the same error when the config selects the plugin
+       (``policy_loss.loss_mode`` a global mode, ``policy_loss._target_`` or ``model.external_lib`` in this
+       package) before Hydra looks the config class up.
+
+    Each step is best effort and idempotent: a seam that moved may make one impossible, never the others.
+    """
+    global _SEAM_ERROR_MESSAGE
+    first = _SEAM_ERROR_MESSAGE is None
+    _SEAM_ERROR_MESSAGE = str(error)
+    if first:
+        try:
+            sys.stderr.write(f"{_ERROR_NAME}: {_SEAM_ERROR_MESSAGE}\n")
+            sys.stderr.flush()
+        except Exception:  # pragma: no cover - a closed stderr
+            pass
+    for guard in (_guard_loss_registry, _guard_validate_config):
+        try:
+            guard()
+        except Exception:  # best effort: the message is already on stderr and the import still fails
+            pass
+
+
+def seam_error() -> Optional[VerlSeamError]:
+    """A new :class:`VerlSeamError` with this process's failed check's message; None if no check failed."""
+    return None if _SEAM_ERROR_MESSAGE is None else VerlSeamError(_SEAM_ERROR_MESSAGE)
+
+
+def _raise_seam_error(*args: Any, **kwargs: Any) -> Any:
+    raise VerlSeamError(_SEAM_ERROR_MESSAGE)
+
+
+setattr(_raise_seam_error, SEAM_ERROR_ATTR, True)
+
+
+def _guard_loss_registry() -> None:
+    registry = getattr(importlib.import_module("verl.trainer.ppo.core_algos"), "POLICY_LOSS_REGISTRY", None)
+    if isinstance(registry, dict):
+        for name in GLOBAL_MODE_NAMES:
+            registry.setdefault(name, _raise_seam_error)
+
+
+def _plugin_setting(config: Any) -> Optional[str]:
+    """The setting of a trainer config that needs the plugin, or None (any shape that does not fit: None)."""
+
+    def get(node: Any, key: str) -> Any:
+        try:
+            return node.get(key, None)
+        except Exception:
+            return None
+
+    actor_rollout_ref = get(config, "actor_rollout_ref")
+    policy_loss = get(get(actor_rollout_ref, "actor"), "policy_loss")
+    loss_mode, target = get(policy_loss, "loss_mode"), get(policy_loss, "_target_")
+    external_lib = get(get(actor_rollout_ref, "model"), "external_lib")
+    if isinstance(loss_mode, str) and loss_mode in GLOBAL_MODE_NAMES:
+        return f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}"
+    if isinstance(target, str) and target.startswith("verl_klcov_global."):
+        return f"actor_rollout_ref.actor.policy_loss._target_={target}"
+    if isinstance(external_lib, str) and external_lib.split(".")[0] == "verl_klcov_global":
+        return f"actor_rollout_ref.model.external_lib={external_lib}"
+    return None
+
+
+def _guard_validate_config() -> None:
+    verl_config = importlib.import_module("verl.utils.config")
+    current = getattr(verl_config, "validate_config", None)
+    if not callable(current) or getattr(current, SEAM_ERROR_ATTR, False):
+        return
+
+    @functools.wraps(current)
+    def validate_config(*args: Any, **kwargs: Any) -> Any:
+        config = kwargs.get("config", args[0] if args else None)
+        if _plugin_setting(config) is not None:
+            raise VerlSeamError(_SEAM_ERROR_MESSAGE)
+        return current(*args, **kwargs)
+
+    setattr(validate_config, SEAM_ERROR_ATTR, True)
+    verl_config.validate_config = validate_config
+    for name in ("verl.trainer.main_ppo", "verl.trainer.main_ppo_v0", "__main__"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "validate_config", None) is current:
+            module.validate_config = validate_config
