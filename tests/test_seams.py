@@ -1,12 +1,15 @@
 """Seam checks (``seams.py``): the installed verl passes; a moved seam fails at import, by name.
 
-Runs on every supported verl (0.9.1 main suite, 0.8.0 subset: ``scripts/test_verl_version.sh``).
+Runs on every verl the suite is run with (docs/DEVELOPING.md, "verl versions"). Nothing here compares
+the running verl's version string: the seams are the gate. What a user sees of a moved seam (the
+``main_ppo`` driver, Ray workers, the entry-point route) is ``tests/test_seam_error_user_level.py``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import glob
 import os
 import re
 import subprocess
@@ -14,16 +17,22 @@ import sys
 
 import pytest
 import verl.trainer.ppo.core_algos as core_algos
+import verl.utils.config as verl_config
 import verl.utils.torch_functional as verl_F
 from verl.workers.config.actor import PolicyLossConfig
 from verl.workers.engine.base import BaseEngine
 
 import verl
 
-from verl_klcov_global import seams
+from packaging.version import Version
+
+from verl_klcov_global import modes, seams
 from verl_klcov_global.engine.patches import PATCHES
+from verl_klcov_global.install_hint import INSTALL_HINT
 from verl_klcov_global.modes import MODES
 from verl_klcov_global.seams import KNOWN_VERL_VERSIONS, VerlSeamError, check_seams
+
+from .trainer_support.env import REPO_ROOT
 
 _KNOWN = r"Known to work: verl 0\.8\.0, 0\.9\.1"
 
@@ -31,7 +40,20 @@ _KNOWN = r"Known to work: verl 0\.8\.0, 0\.9\.1"
 def test_the_installed_verl_passes_every_seam():
     names = check_seams(force=True)
     assert names == [seam.name for seam in seams.SEAMS] and len(names) >= 20
-    assert verl.__version__ in KNOWN_VERL_VERSIONS  # the suite runs on the versions the error message names
+
+
+def test_the_versions_the_seam_error_names_are_installable_releases_that_ci_pins():
+    """``KNOWN_VERL_VERSIONS`` feeds the pin the seam error suggests: each must be a release a user can install
+    (no dev snapshot, no pre-release), and each one a CI job pins and runs the suite on (``constraints*.txt``);
+    the suggested pin is the newest."""
+    versions = [Version(v) for v in KNOWN_VERL_VERSIONS]
+    assert all(not (v.is_prerelease or v.is_devrelease or v.local) for v in versions), KNOWN_VERL_VERSIONS
+    assert versions == sorted(versions) and len(set(versions)) == len(versions), KNOWN_VERL_VERSIONS
+    pinned = set()
+    for path in glob.glob(os.path.join(REPO_ROOT, "constraints*.txt")):
+        with open(path) as f:
+            pinned |= {line.split("==", 1)[1].strip() for line in f if line.startswith("verl==")}
+    assert pinned == set(KNOWN_VERL_VERSIONS), (pinned, KNOWN_VERL_VERSIONS)
 
 
 def test_every_patch_of_the_catalogue_is_guarded_by_a_seam():
@@ -60,8 +82,88 @@ def test_a_changed_train_batch_signature_fails_naming_the_seam_and_the_known_ver
     assert "['self', 'batch', 'loss_fn', 'extra']" in message
     assert "1 seam(s)" in message
     assert re.search(_KNOWN, message)
+    _assert_says_what_to_do(message)
     monkeypatch.undo()
     check_seams(force=True)  # control: the real one passes again
+
+
+def _assert_says_what_to_do(message: str) -> None:
+    """The seam error names the verl found and the fix (pin a known verl, or upgrade the plugin), never an install hint."""
+    where = os.path.dirname(os.path.abspath(verl.__file__))
+    assert f"cannot run on the verl it found (verl {verl.__version__} at {where})" in message, message
+    assert f'pin a verl known to work (pip install "verl=={KNOWN_VERL_VERSIONS[-1]}")' in message, message
+    assert "or upgrade verl-klcov-global to a release that supports this verl." in message, message
+    assert "loss modes (kl_cov_global, clip_cov_global) are not available" in message, message
+    assert INSTALL_HINT not in message and "not on any package index" not in message
+
+
+def test_the_seam_message_text():
+    message = seams.seam_error_message(["  - some.seam(a, b): found parameters ['a']", "  - other.seam: missing"])
+    lines = message.splitlines()
+    assert lines[0].startswith("verl-klcov-global ") and lines[0].endswith("2 seam(s) it patches or reads moved:")
+    assert lines[1:3] == ["  - some.seam(a, b): found parameters ['a']", "  - other.seam: missing"]
+    assert len(lines) == 4 and re.search(_KNOWN, lines[3])
+    _assert_says_what_to_do(message)
+
+
+def test_the_seam_error_names_the_built_in_modes():
+    assert seams.GLOBAL_MODE_NAMES == (modes.KL_COV.name, modes.CLIP_COV.name)
+
+
+@pytest.fixture
+def seam_failure(monkeypatch, capsys):
+    """A failed check made visible in this process, on copies of what it touches (restored afterwards)."""
+    registry = {"vanilla": core_algos.POLICY_LOSS_REGISTRY["vanilla"]}
+    monkeypatch.setattr(core_algos, "POLICY_LOSS_REGISTRY", registry)
+    calls = []
+    monkeypatch.setattr(verl_config, "validate_config", lambda *args, **kwargs: calls.append((args, kwargs)) or "ok")
+    monkeypatch.setattr(seams, "_SEAM_ERROR_MESSAGE", None)
+    message = seams.seam_error_message(["  - a.seam: moved"])
+    seams.make_seam_error_visible(VerlSeamError(message))
+    seams.make_seam_error_visible(VerlSeamError(message))  # a second load attempt in the same process
+    return message, registry, calls, capsys.readouterr().err
+
+
+def test_a_failed_check_is_written_to_stderr_once_per_process(seam_failure):
+    message, _, _, err = seam_failure
+    assert err == f"verl_klcov_global.seams.VerlSeamError: {message}\n"
+
+
+def test_after_a_failed_check_the_loss_lookup_raises_the_seam_error(seam_failure):
+    message, registry, _, _ = seam_failure
+    assert registry["vanilla"] is not None and sorted(registry) == ["clip_cov_global", "kl_cov_global", "vanilla"]
+    for mode in seams.GLOBAL_MODE_NAMES:
+        with pytest.raises(VerlSeamError) as raised:  # what verl's ppo_loss does, instead of "Unsupported loss mode"
+            core_algos.get_policy_loss_fn(mode)(old_log_prob=None, log_prob=None, advantages=None, response_mask=None)
+        assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("key,value", [("actor.policy_loss.loss_mode", "kl_cov_global"),
+                                       ("actor.policy_loss.loss_mode", "clip_cov_global"),
+                                       ("actor.policy_loss._target_", "verl_klcov_global.config.KLCovGlobalPolicyLossConfig"),
+                                       ("model.external_lib", "verl_klcov_global")])
+def test_after_a_failed_check_validate_config_raises_it_for_a_config_that_needs_the_plugin(seam_failure, key, value):
+    from omegaconf import OmegaConf
+
+    message, _, calls, _ = seam_failure
+    config = OmegaConf.create({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "vanilla"}}, "model": {}}})
+    assert verl_config.validate_config(config=config, use_reference_policy=False, use_critic=False) == "ok"
+    assert len(calls) == 1  # control: a config that does not need the plugin goes on to verl's check
+    OmegaConf.update(config, f"actor_rollout_ref.{key}", value, force_add=True)
+    with pytest.raises(VerlSeamError) as raised:
+        verl_config.validate_config(config, use_reference_policy=False, use_critic=False)
+    assert str(raised.value) == message and len(calls) == 1
+
+
+def test_a_moved_registry_does_not_stop_the_other_guards(monkeypatch, capsys):
+    monkeypatch.setattr(core_algos, "POLICY_LOSS_REGISTRY", ["vanilla"])  # the registry seam itself moved
+    monkeypatch.setattr(verl_config, "validate_config", lambda *args, **kwargs: "ok")
+    monkeypatch.setattr(seams, "_SEAM_ERROR_MESSAGE", None)
+    seams.make_seam_error_visible(VerlSeamError("moved"))
+    assert core_algos.POLICY_LOSS_REGISTRY == ["vanilla"]
+    assert capsys.readouterr().err == "verl_klcov_global.seams.VerlSeamError: moved\n"
+    with pytest.raises(VerlSeamError, match="^moved$"):
+        verl_config.validate_config({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "kl_cov_global"}}}})
 
 
 def test_every_moved_seam_is_listed_at_once(monkeypatch):
