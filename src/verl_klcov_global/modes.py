@@ -84,7 +84,12 @@ class ModeSpec:
     * ``ratio_knob``: the knob that is the fraction of tokens selected, with ``paper_ratios`` (model size ->
       the paper's value, a fraction), read by :mod:`.guardrails` (unit warning); ``penalises_log_ratio``:
       the mode's effect is a penalty on ``log pi - log pi_old``, which is 0 when every update is on-policy
-      (:mod:`.guardrails` warns).
+      (:mod:`.guardrails` warns);
+    * ``ratio_warning``: :mod:`.guardrails` warns that ``ratio_knob`` may be in the wrong units at or above
+      this value (0.05: far above KL-Cov's and Clip-Cov's published values); None: no such warning (a mode
+      whose published value is itself large, e.g. ``high_entropy_global``'s 0.2);
+      ``ratio_one_is_vanilla``: ``ratio_knob = 1`` selects every valid token and the mode's objective is
+      then verl's ``vanilla`` (:mod:`.guardrails` warns: the prepass buys nothing).
     """
 
     name: str
@@ -105,6 +110,8 @@ class ModeSpec:
     ratio_knob: Optional[str] = None
     paper_ratios: tuple[tuple[str, float], ...] = ()
     penalises_log_ratio: bool = False
+    ratio_warning: Optional[float] = 0.05
+    ratio_one_is_vanilla: bool = False
 
     def __repr__(self) -> str:
         return f"ModeSpec({self.name!r})"
