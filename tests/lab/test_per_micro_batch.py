@@ -110,6 +110,7 @@ def test_unselected_tokens_get_exactly_zero_loss_and_gradient_and_all_tokens_cou
     assert torch.allclose(loss.detach(), vanilla_selected * 6 / 24, rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow  # a fresh interpreter importing verl: ~13 s
 def test_only_the_lab_registers_it_never_the_plugin():
     code = (
         "import verl, verl_klcov_global\n"
