@@ -133,3 +133,24 @@ def test_picture_and_report_render_from_the_documented_json(tmp_path):
     png = tmp_path / "learning.png"
     assert main(["--from-json", os.path.join(root, "docs", "learning_cpu.json"), "--png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 50_000
+
+
+@pytest.mark.parametrize("mode, config_class, entropy_in_training", [
+    ("high_entropy_global", "HighEntropyGlobalPolicyLossConfig", False),
+    ("high_entropy_per_micro_batch", "HighEntropyPerMicroBatchPolicyLossConfig", True),
+])
+def test_the_high_entropy_rows_are_configured(tmp_path, mode, config_class, entropy_in_training):
+    """The figure runs high_entropy_global and the authors' per-micro-batch rule at micro-batch sizes 1 and 4
+    (the default --modes), each with its config class, rho 0.2, and the training forward's entropy for the rule."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from experiments.learning import BASE, MICRO_BATCH_SIZES
+    from experiments.local_trainer import LOSS_MODES, compose_config, trainer_overrides
+
+    assert mode in LOSS_MODES and MICRO_BATCH_SIZES == (1, 4) and BASE.entropy_top_ratio == 0.2
+    run = replace(BASE, loss_mode=mode, micro_batch_size=1)
+    config = compose_config(trainer_overrides(run, model_path="/m", train_file="/t.parquet", out_dir=str(tmp_path)))
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    assert type(actor.policy_loss).__name__ == config_class and actor.policy_loss.loss_mode == mode
+    assert actor.policy_loss.entropy_top_ratio == 0.2 and actor.ppo_micro_batch_size_per_gpu == 1
+    assert bool(actor.calculate_entropy) is entropy_in_training
