@@ -1,7 +1,8 @@
 """Learning runs on verl's trainer loop with policy-sampled rollouts (``experiments.learning``), shortened.
 
 The slow test trains the 64-id tiny Qwen2 from scratch for :data:`STEPS` GRPO steps with
-``vanilla``, upstream ``kl_cov``, ``kl_cov_global`` and ``clip_cov_global`` at micro-batch sizes 1
+``vanilla``, upstream ``kl_cov``, ``kl_cov_global``, ``clip_cov_global`` and ``high_entropy_global`` at
+micro-batch sizes 1
 and 4 -- the figure's run shortened (:data:`TEST_BASE`: 4 prompts x 8 responses of 8 tokens per
 step, 2 minibatches x 2 PPO epochs, SGD lr 0.1 instead of 0.03 so that 6 steps show learning) --
 and asserts:
@@ -37,7 +38,7 @@ from experiments.policy_rollout import PolicySampler, grpo_advantages, request_s
 
 STEPS = 6
 TEST_BASE = replace(FIGURE_BASE, steps=STEPS, prompts_per_step=4, mini_batch_prompts=2, lr=0.1)
-MODES = ("vanilla", "kl_cov", "kl_cov_global", "clip_cov_global")
+MODES = ("vanilla", "kl_cov", "kl_cov_global", "clip_cov_global", "high_entropy_global")
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,7 @@ def test_vanilla_learns_and_its_entropy_falls(report):
 def test_global_modes_stay_on_vanillas_floor_and_upstream_kl_cov_splits(report):
     pairs = report["pairs"]
     assert pairs["vanilla"]["same_rollouts"], pairs["vanilla"]
-    for mode in ("kl_cov_global", "clip_cov_global"):
+    for mode in ("kl_cov_global", "clip_cov_global", "high_entropy_global"):
         pair = pairs[mode]
         assert pair["counts_identical"] is True, (mode, pair)
         assert pair["same_rollouts"], (mode, pair)
@@ -121,6 +122,10 @@ def test_global_modes_stay_on_vanillas_floor_and_upstream_kl_cov_splits(report):
         assert min(kl["selected"]) >= 1 and all(0.0 < s <= 1.0 for s in kl["selected_cov_share"])
         assert all(m > c for m, c in zip(kl["selected_cov_mean"], kl["cov_mean"]))  # the top of the covariance
         assert min(report["curves"][f"clip_cov_global/mbs{mbs}"]["clipped"]) > 0
+        # int(0.2 N) of each minibatch's N tokens (logged: means over the step's optimizer steps)
+        high = report["curves"][f"high_entropy_global/mbs{mbs}"]
+        assert all(0 < s and abs(s - 0.2 * v) < 1 for s, v in zip(high["selected"], high["valid_tokens"]))
+        assert all(m >= t for m, t in zip(high["selected_entropy_mean"], high["entropy_threshold"]))
 
 
 def test_picture_and_report_render_from_the_documented_json(tmp_path):
