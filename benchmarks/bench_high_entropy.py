@@ -31,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from ._common import load_average, median, quiet
 
@@ -88,7 +88,9 @@ def functions(engine, batch) -> dict[str, Callable[[], Any]]:
     return {"prepass": prepass, "prepass+selection": prepass_and_selection, "compute_log_prob": compute_log_prob}
 
 
-def _interleaved(calls: dict[str, Callable[[], Any]], reps: int, warmup: int) -> dict[str, list[float]]:
+def _interleaved(calls: dict[str, Callable[[], Any]], reps: int, warmup: int,
+                 cpu: Optional[dict] = None) -> dict[str, list[float]]:
+    """Wall seconds per call, rounds in rotated order; ``cpu`` (if given) gets the process CPU seconds too."""
     names = list(calls)
     for _ in range(warmup):
         for name in names:
@@ -97,13 +99,15 @@ def _interleaved(calls: dict[str, Callable[[], Any]], reps: int, warmup: int) ->
     for rep in range(reps):
         order = names[rep % len(names):] + names[:rep % len(names)]
         for name in order:
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             calls[name]()
             samples[name].append(time.perf_counter() - t0)
+            if cpu is not None:
+                cpu.setdefault(name, []).append(time.process_time() - c0)
     return samples
 
 
-def run_case(model_dir: str, case: str, *, reps: int, warmup: int, progress=print) -> dict[str, Any]:
+def run_case(model_dir: str, case: str, *, reps: int, warmup: int, progress=print, step: bool = True) -> dict[str, Any]:
     """Prepass vs compute_log_prob, and the step of ``high_entropy_global`` vs ``vanilla``, on one engine."""
     import functools
 
@@ -111,28 +115,40 @@ def run_case(model_dir: str, case: str, *, reps: int, warmup: int, progress=prin
 
     spec, batch, engine = _setup(model_dir, case)
     progress(f"[{case}] prepass vs compute_log_prob, {reps} rounds")
+    cpu: dict[str, list[float]] = {}
     with engine.train_mode():  # the prepass runs inside verl's train step; it switches to eval itself
-        forward = _interleaved(functions(engine, batch), reps, warmup)
+        forward = _interleaved(functions(engine, batch), reps, warmup, cpu)
+    per_round = [p / c for p, c in zip(forward["prepass"], forward["compute_log_prob"])]
+    figures = {
+        "samples": dict(forward), "cpu_samples": cpu,
+        "median_seconds": {name: median(values) for name, values in forward.items()},
+        "prepass_over_compute_log_prob": median(forward["prepass"]) / median(forward["compute_log_prob"]),
+        "prepass_over_compute_log_prob_paired": median(per_round),
+        "prepass_over_compute_log_prob_per_round": per_round,
+        "prepass_over_compute_log_prob_cpu": median(cpu["prepass"]) / median(cpu["compute_log_prob"]),
+        "prepass_and_selection_over_compute_log_prob": median(forward["prepass+selection"])
+        / median(forward["compute_log_prob"]),
+    }
+    if not step:
+        return figures
     progress(f"[{case}] train_batch: {MODE} vs vanilla, {reps} rounds")
     losses = {mode: functools.partial(ppo_loss, config=_actor_config(mode)) for mode in ("vanilla", MODE)}
 
-    def step(mode):
+    def one_step(mode):
         def call():
             with engine.train_mode():
                 engine.train_batch(batch.copy(), loss_function=losses[mode])
         return call
 
-    steps = _interleaved({mode: step(mode) for mode in losses}, reps, warmup)
-    medians = {name: median(values) for name, values in {**forward, **steps}.items()}
-    per_round = [p / c for p, c in zip(forward["prepass"], forward["compute_log_prob"])]
-    return {
-        "samples": {**forward, **steps},
-        "median_seconds": medians,
-        "prepass_over_compute_log_prob": medians["prepass"] / medians["compute_log_prob"],
-        "prepass_over_compute_log_prob_per_round": per_round,
-        "prepass_and_selection_over_compute_log_prob": medians["prepass+selection"] / medians["compute_log_prob"],
-        "step_over_vanilla": medians[MODE] / medians["vanilla"],
-    }
+    step_cpu: dict[str, list[float]] = {}
+    steps = _interleaved({mode: one_step(mode) for mode in losses}, reps, warmup, step_cpu)
+    figures["samples"].update(steps)
+    figures["cpu_samples"].update(step_cpu)
+    figures["median_seconds"].update({name: median(values) for name, values in steps.items()})
+    figures["step_over_vanilla"] = median(steps[MODE]) / median(steps["vanilla"])
+    figures["step_over_vanilla_paired"] = median([a / b for a, b in zip(steps[MODE], steps["vanilla"])])
+    figures["step_over_vanilla_cpu"] = median(step_cpu[MODE]) / median(step_cpu["vanilla"])
+    return figures
 
 
 def _rss_bytes() -> int:
@@ -191,16 +207,17 @@ def measure_memory(model_dir: str, cases=tuple(CASES), progress=print) -> dict[s
 
 
 def report(payload: dict) -> str:
-    lines = [f"high_entropy_global on CPU: {BATCH} x ({PROMPT} + {RESPONSE}) tokens, tiny Qwen2, fp32; "
-             f"load average before {payload['load_before']}, after {payload['load_after']}",
-             f"{'case':<8} {'prepass / compute_log_prob':>27} {'(+selection)':>13} {'step / vanilla':>15} "
-             f"{'prepass s':>10} {'compute_log_prob s':>19} {'step s':>8} {'vanilla s':>10}"]
-    for case, figures in payload["cases"].items():
-        m = figures["median_seconds"]
-        lines.append(f"{case:<8} {figures['prepass_over_compute_log_prob']:>27.3f} "
-                     f"{figures['prepass_and_selection_over_compute_log_prob']:>13.3f} "
-                     f"{figures['step_over_vanilla']:>15.3f} {m['prepass']:>10.4f} {m['compute_log_prob']:>19.4f} "
-                     f"{m[MODE]:>8.4f} {m['vanilla']:>10.4f}")
+    lines = [f"high_entropy_global on CPU: {BATCH} x ({PROMPT} + {RESPONSE}) tokens, tiny Qwen2, fp32, "
+             f"{payload.get('threads')} thread(s); load average before {payload['load_before']}, after "
+             f"{payload['load_after']}",
+             "case     prepass/compute_log_prob: medians, paired, cpu  (+selection)  step/vanilla: medians, paired, cpu"]
+    nan = float("nan")
+    for case, f in payload["cases"].items():
+        lines.append(f"{case:<8} {f['prepass_over_compute_log_prob']:>6.3f} {f['prepass_over_compute_log_prob_paired']:>6.3f} "
+                     f"{f['prepass_over_compute_log_prob_cpu']:>6.3f}                  "
+                     f"{f['prepass_and_selection_over_compute_log_prob']:>6.3f}        "
+                     f"{f.get('step_over_vanilla', nan):>6.3f} {f.get('step_over_vanilla_paired', nan):>6.3f} "
+                     f"{f.get('step_over_vanilla_cpu', nan):>6.3f}")
     for case, memory in payload.get("memory", {}).items():
         lines.append(f"{case:<8} peak RSS growth: prepass {memory['prepass'] / 2**20:.1f} MiB, "
                      f"compute_log_prob {memory['compute_log_prob'] / 2**20:.1f} MiB")
@@ -213,6 +230,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--cases", default="padded,packed")
     parser.add_argument("--memory", action="store_true", help="also measure the peak RSS growth (fresh processes)")
+    parser.add_argument("--no-step", action="store_true", help="only the prepass vs compute_log_prob")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--model", help="the tiny model folder (default: built in a temporary folder)")
     parser.add_argument("--memory-child", nargs=2, metavar=("CASE", "FUNCTION"), help=argparse.SUPPRESS)
@@ -224,16 +243,20 @@ def main(argv=None) -> int:
     import torch
 
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     import verl_klcov_global  # noqa: F401
     from verl_klcov_global.lab.tiny import build_tiny_model
 
     cases = [c for c in args.cases.split(",") if c]
     with tempfile.TemporaryDirectory(prefix="bench_high_entropy_") as scratch:
         model_dir = args.model or build_tiny_model(os.path.join(scratch, "tiny"), seed=0)
-        payload: dict[str, Any] = {"load_before": load_average(), "reps": args.reps, "cases": {}}
+        payload: dict[str, Any] = {"load_before": load_average(), "reps": args.reps, "cases": {},
+                                   "threads": torch.get_num_threads()}
         for case in cases:
             payload["cases"][case] = run_case(model_dir, case, reps=args.reps, warmup=args.warmup,
-                                              progress=lambda m: print(m, file=sys.stderr, flush=True))
+                                              progress=lambda m: print(m, file=sys.stderr, flush=True),
+                                              step=not args.no_step)
         if args.memory:
             payload["memory"] = measure_memory(model_dir, tuple(cases),
                                                progress=lambda m: print(m, file=sys.stderr, flush=True))
