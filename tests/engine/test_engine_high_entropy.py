@@ -189,3 +189,158 @@ def test_static_micro_batches_1_vs_8(tiny_model_path, strategy, packed, capsys):
     with capsys.disabled():
         print(f"\n[high_entropy_global static {strategy} {'packed' if packed else 'padded'} 1 vs 8] "
               f"max|dtheta| / control {ratio:.2f}")
+
+
+def _paper_objective_loss(records, config, model_output, data, dp_group=None):
+    """The paper's J_HighEnt on one micro-batch = the whole minibatch, independent of the plugin's selection:
+    tau = the k-th largest entropy of the training forward's own entropy (a stable sort: ties by position),
+    then verl's ppo_loss with ``vanilla`` on ``A * 1[selected]``, normalised by all tokens (``agg_loss``)."""
+    from verl.workers.utils.losses import ppo_loss
+
+    response_mask = padded(data["response_mask"]).bool()
+    entropy = fit_width(no_padding_2_padding(model_output["entropy"], data).detach(), response_mask.shape[1])
+    values = entropy[response_mask]
+    k = high_entropy_quota(values.numel(), RHO)
+    chosen = torch.sort(-values.double(), stable=True).indices[:k]
+    mask = torch.zeros(response_mask.numel(), dtype=torch.bool)
+    mask[response_mask.flatten().nonzero().squeeze(1)[chosen]] = True
+    mask = mask.reshape(response_mask.shape)
+    records.append(mask)
+    data = data.copy()
+    data["advantages"] = padded(data["advantages"]) * mask  # ppo_loss pads every field it reads: padded stays
+    return ppo_loss(config, model_output, data, dp_group)
+
+
+def _update(spec, batch, layout, loss_function):
+    engine = spec.build()
+    with engine.train_mode():
+        engine.train_batch(layout.apply(batch.copy()), loss_function=loss_function)
+    params = _cpu.engine_params_flat(engine)
+    del engine
+    return params
+
+
+def test_8_micro_batches_give_the_papers_objective_on_the_whole_minibatch(tiny_model_path, capsys):
+    """With entropy_coeff, the KL loss and rollout IS weights on: all verl's, over every token."""
+    from verl.workers.utils.losses import ppo_loss
+
+    spec = EngineSpec(tiny_model_path)
+    batch = _batch(spec, 2, with_rollout_is_weights=True, with_ref_log_prob=True, calculate_entropy=True)
+    one, eight = static_layouts(BATCH, 8)
+    extra = dict(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
+    records = []
+    reference = _update(spec, batch, one, functools.partial(functools.partial(_paper_objective_loss, records),
+                                                            config=actor_config_for("vanilla", **extra)))
+    ours = one_update(spec, batch, actor_config_for("high_entropy_global", **extra), eight)
+    control_one = _update(spec, batch, one, functools.partial(ppo_loss, config=actor_config_for("vanilla", **extra)))
+    control_eight = one_update(spec, batch, actor_config_for("vanilla", **extra), eight).params
+    noise = max_abs_diff(control_one, control_eight)
+    (paper_mask,) = records
+    assert noise > 0
+    assert torch.equal(ours.masks[0], paper_mask)  # the prepass's eval entropy ranks as the training forward's
+    assert max_abs_diff(ours.params, reference) <= NOISE_FACTOR * noise, (max_abs_diff(ours.params, reference), noise)
+    effect = max_abs_diff(ours.params, control_eight)
+    assert effect > 100 * noise, "the mask did not move the update beyond the noise: the test proves nothing"
+    for name in ("actor/high_entropy/entropy_threshold", "actor/high_entropy/selected_entropy_share",
+                 "actor/high_entropy/prepass_seconds", "actor/entropy_loss", "kl_loss"):
+        assert name in ours.metrics, name
+    with capsys.disabled():
+        print(f"\n[paper objective, 1 micro-batch vs high_entropy_global on 8] max|dtheta| / control "
+              f"{max_abs_diff(ours.params, reference) / noise:.2f}, mask effect / control {effect / noise:.0f}")
+
+
+def _sp_run(spec, batch, attention):
+    """One update per mode with the Ulysses test attention; what the prepass selected."""
+    layout = MicroBatchLayout("static 4", use_dynamic_bsz=False, micro_batch_size_per_gpu=4)
+    with attention() as counts:
+        outcomes = {mode: one_update(spec, batch, actor_config_for(mode), layout) for mode in MODES}
+    return dict(params={m: o.params for m, o in outcomes.items()}, mask=outcomes["high_entropy_global"].masks[0],
+                figures=outcomes["high_entropy_global"].figures[0], all_to_all=counts.all_to_all)
+
+
+def _dp_then_sp_updates(rank, world_size, port, model_path, dp_batch_file, dp_layout, sp_batch_file):
+    """On 2 gloo processes (one spawn for both: starting them is the slow part): DP 2 on this rank's contiguous
+    shard, then Ulysses SP 2 x DP 1 on the whole SP minibatch."""
+    from ..support.ulysses import UlyssesEngineSpec, cpu_varlen_attention
+
+    _cpu.init_process_group_cpu(rank, world_size, port)
+    shard = _tiny.shard_for_rank(torch.load(dp_batch_file, weights_only=False), rank, world_size)
+    dp = {mode: one_update(EngineSpec(model_path), shard, actor_config_for(mode), dp_layout) for mode in MODES}
+    sp = _sp_run(UlyssesEngineSpec(model_path, sp_size=2), torch.load(sp_batch_file, weights_only=False),
+                 cpu_varlen_attention)
+    return dict(dp={mode: (o.params, o.masks[0] if o.masks else None, o.figures[0] if o.figures else None)
+                    for mode, o in dp.items()}, sp=sp)
+
+
+@pytest.mark.distributed
+def test_dp_2_and_ulysses_sp_2_give_the_single_process_mask_figures_and_update(tiny_model_path, tmp_path, capsys):
+    from ..support.ulysses import UlyssesEngineSpec, cpu_varlen_attention
+
+    # DP 2 vs 1: dynamic micro-batches of 4 sequences (8 on one rank, 4 per rank on two)
+    spec = EngineSpec(tiny_model_path)
+    _, dp_layout = dynamic_layouts(BATCH, SEQ, 8)
+    dp_batch = _batch(spec, 4)
+    dp_single = {mode: one_update(spec, dp_batch, actor_config_for(mode), dp_layout) for mode in MODES}
+    # SP 2 vs 1: packed, the test varlen attention on both sides
+    sp_spec = UlyssesEngineSpec(tiny_model_path, sp_size=1)
+    with cpu_varlen_attention():
+        sp_batch = frozen_minibatch(sp_spec, 5, batch_size=16, prompt_len=PROMPT, response_len=RESPONSE,
+                                    vary_lengths=True, micro_batch_size_per_gpu=4)
+    sp_single = _sp_run(sp_spec, sp_batch, cpu_varlen_attention)
+    files = tmp_path / "dp.pt", tmp_path / "sp.pt"
+    torch.save(dp_batch, files[0])
+    torch.save(sp_batch, files[1])
+    rank0, rank1 = _cpu.spawn(_dp_then_sp_updates, 2, tiny_model_path, str(files[0]), dp_layout, str(files[1]))
+
+    ours_dp = [rank["dp"]["high_entropy_global"] for rank in (rank0, rank1)]
+    width = dp_single["high_entropy_global"].masks[0].shape[1]
+    assert torch.equal(torch.cat([fit_width(mask, width) for _, mask, _ in ours_dp]),
+                       dp_single["high_entropy_global"].masks[0])
+    # every figure bit for bit: exact sums, whatever the split
+    assert ours_dp[0][2] == ours_dp[1][2] == dp_single["high_entropy_global"].figures[0]
+    assert torch.equal(ours_dp[0][0], ours_dp[1][0])  # the ranks agree on the update
+    dp_control = max_abs_diff(rank0["dp"]["vanilla"][0], dp_single["vanilla"].params)
+    dp_ours = max_abs_diff(ours_dp[0][0], dp_single["high_entropy_global"].params)
+    assert dp_control > 0 and dp_ours <= NOISE_FACTOR * dp_control, (dp_ours, dp_control)
+
+    for rank in (rank0, rank1):
+        sp = rank["sp"]
+        assert sp["all_to_all"] > 0 and sp_single["all_to_all"] == 0  # verl's Ulysses path ran, on SP 2 only
+        assert torch.equal(sp["mask"], sp_single["mask"]) and sp["figures"] == sp_single["figures"]
+    sp_control = max_abs_diff(rank0["sp"]["params"]["vanilla"], sp_single["params"]["vanilla"])
+    sp_ours = max_abs_diff(rank0["sp"]["params"]["high_entropy_global"], sp_single["params"]["high_entropy_global"])
+    assert sp_control > 0 and sp_ours <= NOISE_FACTOR * sp_control, (sp_ours, sp_control)
+    with capsys.disabled():
+        print(f"\n[high_entropy_global] max|dtheta| / control: DP 2 vs 1 {dp_ours / dp_control:.2f}, "
+              f"SP 2 vs 1 {sp_ours / sp_control:.2f}")
+
+
+def test_two_ppo_epochs_with_shuffle_select_per_optimizer_step_whatever_the_micro_batches(tiny_model_path, capsys):
+    """verl's TrainingWorker.train_mini_batch: 2 minibatches x 2 epochs, shuffled; 1 vs 4 micro-batches per step."""
+    from verl.workers.utils.losses import ppo_loss
+
+    from ..support.workers import build_training_worker
+
+    rows, mini = 16, 8  # 2 minibatches x 2 epochs = 4 optimizer steps
+    runs = {}
+    for mode in MODES:
+        for micro in (mini, mini // 4):
+            worker = build_training_worker(tiny_model_path, micro_batch_size_per_gpu=micro)
+            actor = actor_config_for(mode, ppo_mini_batch_size=mini, ppo_epochs=2, shuffle=True)
+            worker.set_loss_fn(functools.partial(ppo_loss, config=actor))
+            batch = _tiny.make_minibatch(batch_size=rows, prompt_len=PROMPT, response_len=RESPONSE, vary_lengths=True,
+                                         seed=6, global_batch_size=mini, micro_batch_size_per_gpu=micro)
+            tu.assign_non_tensor(batch, mini_batch_size=mini, epochs=2, seed=42, dataloader_kwargs={"shuffle": True})
+            masks = []
+            with observe_selections(lambda _engine, result: masks.append(result.selection.mask.clone())):
+                worker.train_mini_batch(batch)
+            runs[mode, micro] = (masks, _cpu.engine_params_flat(worker.engine))
+    (masks_one, ours_one), (masks_four, ours_four) = runs["high_entropy_global", mini], runs["high_entropy_global", mini // 4]
+    assert len(masks_one) == len(masks_four) == 4  # one selection per optimizer step
+    assert all(torch.equal(a, b) for a, b in zip(masks_one, masks_four))
+    assert not torch.equal(masks_one[0], masks_one[2])  # epoch 2 reshuffles: other rows, other masks
+    control = max_abs_diff(runs["vanilla", mini][1], runs["vanilla", mini // 4][1])
+    ours = max_abs_diff(ours_one, ours_four)
+    assert control > 0 and ours <= NOISE_FACTOR * control, (ours, control)
+    with capsys.disabled():
+        print(f"\n[high_entropy_global 2 epochs shuffled, 1 vs 4 micro-batches] max|dtheta| / control {ours / control:.2f}")
