@@ -85,9 +85,11 @@ def _training_worker(model_path, *, use_remove_padding=False, use_dynamic_bsz=Fa
         infer_micro_batch_size_per_gpu=infer_micro_batch_size_per_gpu,
         infer_max_token_len_per_gpu=infer_max_token_len_per_gpu)
     if chunked:  # read when the engine is built (FSDPEngine.__init__): set before
-        configs["engine_config"] = dataclasses.replace(
-            configs["engine_config"], entropy_from_logits_with_chunking=True, entropy_from_logits_chunk_size=64,
-            entropy_checkpointing=True)
+        engine_config = configs["engine_config"]
+        # verl 0.9.1 lets the chunk size be set (small: several chunks here); 0.8.0 has a fixed one
+        size = {"entropy_from_logits_chunk_size": 64} if hasattr(engine_config, "entropy_from_logits_chunk_size") else {}
+        configs["engine_config"] = dataclasses.replace(engine_config, entropy_from_logits_with_chunking=True,
+                                                       entropy_checkpointing=True, **size)
     worker = TrainingWorker(config=TrainingWorkerConfig(model_type="language_model", **configs))
     worker.reset()
     return worker
