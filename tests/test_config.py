@@ -200,9 +200,15 @@ def test_bad_vanilla_knobs_for_high_entropy_global(key, value, match):
         read_high_entropy_settings(_raw_actor(actor_fields={key: value}))
 
 
-def test_unsupported_strategy_suggests_only_an_upstream_verl_registers():
+def test_unsupported_strategy_suggests_only_an_upstream_verl_registers(monkeypatch):
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
     from verl_klcov_global.config import unsupported_strategy_message
 
     assert "use loss_mode=kl_cov (per-micro-batch" in unsupported_strategy_message("kl_cov_global", "kl_cov", "x")
-    lab_only = unsupported_strategy_message("high_entropy_global", "high_entropy_per_micro_batch", "x")
-    assert "high_entropy_per_micro_batch" not in lab_only and "use another loss mode" in lab_only
+    comparator = "high_entropy_per_micro_batch"
+    monkeypatch.delitem(POLICY_LOSS_REGISTRY, comparator, raising=False)  # as in a user's process: the lab's only
+    lab_only = unsupported_strategy_message("high_entropy_global", comparator, "x")
+    assert comparator not in lab_only and "use another loss mode" in lab_only
+    monkeypatch.setitem(POLICY_LOSS_REGISTRY, comparator, object())  # where the lab registered it, it is suggested
+    assert f"use loss_mode={comparator}" in unsupported_strategy_message("high_entropy_global", comparator, "x")
