@@ -178,3 +178,86 @@ def test_bad_ratio_names_the_key_and_says_it_is_a_fraction(ratio):
 def test_mismatched_shapes_raise():
     with pytest.raises(ValueError, match="same shape"):
         select_high_entropy_tokens(torch.zeros(2, 3), torch.ones(2, 4), 0.2)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2 gloo processes: the single-process selection and figures, bit for bit, with a bounded exchange
+
+#: Bytes one rank sends per call (module docstring): 4 float64 + 1 int64 + <= 8 histograms of 256 int32 bins
+#: + 8 bytes + 2 int64.
+EXCHANGE_BYTES = 32 + 8 + 8 * 256 * 4 + 8 + 16
+EXCHANGE_COLLECTIVES = 12
+
+
+def _sharded_cases():
+    """(name, entropy, response_mask, ratio, rows on rank 0) of the whole minibatch."""
+    cases = []
+    kinds = ["random", "ties", "zeros", "nonfinite", "float64"]
+    for seed in range(30):
+        entropy, mask = _entropies(seed, 10, 12, kinds[seed % 5])
+        cases.append((f"{kinds[seed % 5]}-{seed}", entropy, mask, [0.001, 0.2, 0.5, 1.0][seed % 4], seed % 11))
+    entropy, mask = _entropies(99, 8, 12, "random")
+    mask[4:] = False
+    cases.append(("rank1-only-padding", entropy, mask, 0.2, 4))
+    cases.append(("rank0-no-rows", *_entropies(98, 8, 12, "ties"), 0.2, 0))
+    cases.append(("rank1-no-rows", *_entropies(97, 8, 12, "ties"), 0.2, 8))
+    ties = torch.ones(8, 6)  # every token tied: the quota split over both ranks in sequence order
+    cases.append(("all-tied", ties, torch.ones(8, 6, dtype=torch.bool), 0.6, 3))
+    cases.append(("all-zero", torch.zeros(8, 6), torch.ones(8, 6, dtype=torch.bool), 0.2, 5))
+    cases.append(("no-valid-token", torch.rand(8, 6), torch.zeros(8, 6, dtype=torch.bool), 0.2, 4))
+    return cases
+
+
+def _run_sharded(rank, world_size, port):
+    import torch.distributed as dist
+
+    from verl_klcov_global.lab.cpu import init_process_group_cpu
+    from verl_klcov_global.selection import collectives
+
+    from ..support.counting_dist import CountingDist
+
+    init_process_group_cpu(rank, world_size, port)
+    counting = CountingDist()
+    collectives.dist = counting
+    results = []
+    try:
+        for name, entropy, mask, ratio, split in _sharded_cases():
+            reference = select_high_entropy_tokens(entropy, mask, ratio)
+            rows = slice(0, split) if rank == 0 else slice(split, entropy.shape[0])
+            counting.calls.clear()
+            sharded = select_high_entropy_tokens(entropy[rows], mask[rows], ratio, group=dist.group.WORLD)
+            results.append(dict(
+                name=name, equal=torch.equal(sharded.mask, reference.mask[rows]),
+                figures_equal=sharded.figures() == reference.figures(),
+                selected_here=int(sharded.mask.sum()), quota=sharded.quota,
+                bytes=sum(size for _, size in counting.calls), collectives=len(counting.calls),
+            ))
+        collectives.dist = dist
+        try:  # ranks disagreeing on the ratio all raise instead of hanging
+            select_high_entropy_tokens(torch.rand(2, 3), torch.ones(2, 3), 0.2 if rank == 0 else 0.3,
+                                       group=dist.group.WORLD)
+            disagreement = None
+        except ValueError as error:
+            disagreement = str(error)
+    finally:
+        collectives.dist = dist
+        dist.destroy_process_group()
+    return results, disagreement
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_give_the_single_process_selection_and_figures_bit_for_bit():
+    from verl_klcov_global.lab.cpu import spawn
+
+    (rank0, disagreement0), (rank1, disagreement1) = spawn(_run_sharded, 2)
+    for disagreement in (disagreement0, disagreement1):
+        assert disagreement is not None and "disagree on entropy_top_ratio" in disagreement
+    for results in (rank0, rank1):
+        for result in results:
+            assert result["equal"], result["name"]
+            assert result["figures_equal"], result["name"]
+            assert result["bytes"] <= EXCHANGE_BYTES and result["collectives"] <= EXCHANGE_COLLECTIVES, result
+    for first, second in zip(rank0, rank1):  # exactly k over the group
+        assert first["selected_here"] + second["selected_here"] == first["quota"], first["name"]
+    assert {r["name"]: r for r in rank1}["all-tied"]["selected_here"] > 0  # the tie split reaches rank 1
