@@ -14,10 +14,14 @@ memory from ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`
   its first call is the warm-up and gives the ``old_log_probs`` of the minibatch, as in training;
 * ``prepass``: the plugin's work before verl's step, alone: ``engine.optimizer_zero_grad()`` (the hook
   frees the gradients first) and ``engine.prepass.run_prepass_and_select`` (the no-grad forward in the inference
-  layout and the selection);
+  layout and the selection), ``kl_cov_global``'s (log-probs only);
+* ``prepass high_entropy_global``: the same for a mode whose row sets ``prepass_reads_entropy``: the forward
+  computes the entropy too, so its figures compare with ``compute_log_prob`` (which verl runs with
+  ``calculate_entropy=True``) on the same minibatch; its peak must not exceed ``compute_log_prob``'s;
 * ``step <mode>``: one ``engine.train_batch`` (zero_grad, all micro-batches, optimizer step) for verl's
-  mode and the plugin's global mode (prepass and selection included), for every global mode whose verl
-  counterpart is registered.
+  mode and the plugin's global mode (prepass and selection included), for every global mode; its
+  reference is verl's own counterpart when verl has one (``kl_cov``, ``clip_cov``), else ``vanilla``
+  (``high_entropy_global``: the authors' per-micro-batch rule is the lab's comparator, not a verl loss).
 
 One warm-up round, then ``reps`` timed rounds (training modes in rotated order). Also recorded: the
 log-prob function verl called in each operation (counted), the attention implementation of the model
@@ -262,24 +266,42 @@ def _describe_minibatch(batch, sizes) -> dict:
     }
 
 
-def _operations(engine, batch, sizes, modes: list[str], figures: Figures) -> dict[str, Callable[[], Any]]:
-    """The measured operations by name: compute_log_prob, prepass, and one training step per mode."""
-    from verl_klcov_global.engine import prepass as engine_prepass
+#: The prepass operation of each global mode that has a prepass of its own kind: ``prepass`` (log-probs only, the
+#: covariance modes') and ``prepass <mode>`` for a mode whose row sets ``prepass_reads_entropy``.
+def prepass_operation(mode) -> str:
+    return f"prepass {mode.name}" if mode.prepass_reads_entropy else "prepass"
+
+
+def _actor_config(mode_name: str, sizes):
+    """The actor config of one step: the mode's own config class for a mode of the table, verl's otherwise."""
     from verl_klcov_global.lab import tiny as _tiny
-    from verl_klcov_global.config import read_kl_cov_settings
-    from verl_klcov_global.modes import KL_COV
+    from verl_klcov_global.modes import MODES
 
-    configs = {mode: _tiny.make_actor_config(loss_mode=mode, kl_cov_ratio=sizes.kl_cov_ratio, ppo_kl_coef=1.0,
-                                             ppo_mini_batch_size=sizes.step_batch) for mode in modes}
+    spec = MODES.get(mode_name)
+    if spec is not None and spec.config_class is not None and spec.ratio_knob == "entropy_top_ratio":
+        return _tiny.make_actor_config(policy_loss=spec.config_class(), ppo_mini_batch_size=sizes.step_batch)
+    return _tiny.make_actor_config(loss_mode=mode_name, kl_cov_ratio=sizes.kl_cov_ratio, ppo_kl_coef=1.0,
+                                   ppo_mini_batch_size=sizes.step_batch)
 
-    settings = read_kl_cov_settings(_tiny.make_actor_config(loss_mode="kl_cov_global", kl_cov_ratio=sizes.kl_cov_ratio,
-                                                     ppo_kl_coef=1.0, ppo_mini_batch_size=sizes.step_batch))
 
-    def prepass():
-        """The hook's work before verl's step: free the gradients, prepass forward, selection."""
-        with engine.train_mode():
-            engine.optimizer_zero_grad()
-            return engine_prepass.run_prepass_and_select(engine, batch.copy(), settings, KL_COV)
+def _operations(engine, batch, sizes, modes: list[str], figures: Figures) -> dict[str, Callable[[], Any]]:
+    """The measured operations by name: compute_log_prob, each kind of prepass, and one training step per mode."""
+    from verl_klcov_global.engine import prepass as engine_prepass
+    from verl_klcov_global.modes import KL_COV, MODES
+
+    configs = {mode: _actor_config(mode, sizes) for mode in modes}
+    prepass_modes = {KL_COV.name: KL_COV}
+    prepass_modes.update({m: MODES[m] for m in modes if m in MODES and MODES[m].prepass_reads_entropy})
+
+    def prepass(spec):
+        settings = spec.read_settings(_actor_config(spec.name, sizes))
+
+        def run():
+            """The hook's work before verl's step: free the gradients, prepass forward, selection."""
+            with engine.train_mode():
+                engine.optimizer_zero_grad()
+                return engine_prepass.run_prepass_and_select(engine, batch.copy(), settings, spec)
+        return run
 
     def train_step(mode: str):
         counter: list = []
@@ -288,15 +310,17 @@ def _operations(engine, batch, sizes, modes: list[str], figures: Figures) -> dic
             output = engine.train_batch(batch.copy(), loss_function=loss)
         figures.loss_calls[mode] = len(counter)
         metrics = output.get("metrics", {}) if isinstance(output, dict) else {}
+        prefix = MODES[mode].metric_prefix if mode in MODES else None
         for name in ("prepass_seconds", "selection_seconds", "prepass_share"):
-            metric = metrics.get(f"actor/kl_cov/{name}")
+            metric = metrics.get(f"{prefix}{name}") if prefix else None
             if metric is not None:
                 value = metric.aggregate() if hasattr(metric, "aggregate") else metric
                 value = float(value[0] if isinstance(value, list) else value)
                 figures.hook_metrics.setdefault(mode, {}).setdefault(name, []).append(value)
         return output
 
-    operations = {"compute_log_prob": lambda: compute_log_prob(engine, batch), "prepass": prepass}
+    operations = {"compute_log_prob": lambda: compute_log_prob(engine, batch)}
+    operations.update({prepass_operation(spec): prepass(spec) for spec in prepass_modes.values()})
     operations.update({f"step {mode}": functools.partial(train_step, mode) for mode in modes})
     return operations
 
@@ -319,7 +343,8 @@ def _run_rounds(phase: Phase, meter: Meter, operations: dict, modes: list[str], 
             phase.data["timed_rounds"] = done
             return why
         shift = max(0, round_index) % max(1, len(modes))
-        order = ["compute_log_prob", "prepass"] + [f"step {m}" for m in modes[shift:] + modes[:shift]]
+        prepasses = [name for name in operations if name.startswith("prepass")]
+        order = ["compute_log_prob", *prepasses] + [f"step {m}" for m in modes[shift:] + modes[:shift]]
         started = time.monotonic()
         for name in order:
             if name == "compute_log_prob" and not timed:
@@ -345,8 +370,13 @@ def run(phase: Phase) -> None:
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
     sizes, data, meter = phase.sizes, phase.data, Meter(phase.device)
-    pairs = [(upstream_mode(m), m) for m in registered_global_modes() if upstream_mode(m) in POLICY_LOSS_REGISTRY]
-    modes = [mode for pair in pairs for mode in pair]
+    from verl_klcov_global.lab.experiment import LAB_UPSTREAMS
+
+    # each global mode against verl's own counterpart; a mode whose counterpart is only the lab's comparator
+    # (high_entropy_global) against vanilla: the step it replaces
+    pairs = [(upstream_mode(m) if upstream_mode(m) in POLICY_LOSS_REGISTRY and upstream_mode(m) not in LAB_UPSTREAMS
+              else "vanilla", m) for m in registered_global_modes()]
+    modes = list(dict.fromkeys(mode for pair in pairs for mode in pair))
     figures = Figures(data, pairs)
 
     started = time.monotonic()
@@ -393,12 +423,15 @@ def _ratios(data: dict, pairs: list[tuple[str, str]]) -> dict:
     def ratio(table: dict, a: str, b: str) -> Optional[float]:
         return table[a] / table[b] if table.get(a) and table.get(b) else None
 
-    out = {"prepass/compute_log_prob seconds": ratio(med, "prepass", "compute_log_prob"),
-           "prepass/compute_log_prob peak": ratio(peak, "prepass", "compute_log_prob")}
+    out = {}
+    for name in (n for n in med if n.startswith("prepass")):
+        out[f"{name}/compute_log_prob seconds"] = ratio(med, name, "compute_log_prob")
+        out[f"{name}/compute_log_prob peak"] = ratio(peak, name, "compute_log_prob")
     for upstream, mode in pairs:
         out[f"{mode}/{upstream} seconds"] = ratio(med, f"step {mode}", f"step {upstream}")
         out[f"{mode}/{upstream} peak"] = ratio(peak, f"step {mode}", f"step {upstream}")
         out[f"prepass/step {upstream} seconds"] = ratio(med, "prepass", f"step {upstream}")
+        out[f"prepass {mode}/step {upstream} seconds"] = ratio(med, f"prepass {mode}", f"step {upstream}")
     return out
 
 
@@ -417,6 +450,12 @@ def _checks(phase: Phase, data: dict, pairs: list[tuple[str, str]]) -> None:
         return
     verl_peaks = {op: peak[op] for op in ["compute_log_prob"] + [f"step {up}" for up, _ in pairs] if op in peak}
     reference = max(verl_peaks.values())
-    phase.check(name, peak["prepass"] <= reference,
-                f"prepass {peak['prepass']:.2f} GiB; verl's own: "
+    prepasses = {op: value for op, value in peak.items() if op.startswith("prepass")}
+    phase.check(name, all(value <= reference for value in prepasses.values()),
+                ", ".join(f"{op} {value:.2f} GiB" for op, value in prepasses.items()) + "; verl's own: "
                 + ", ".join(f"{op} {value:.2f} GiB" for op, value in verl_peaks.items()))
+    # the entropy prepass against the pass it mirrors: verl's compute_log_prob with entropy on the same minibatch
+    for op in (op for op in prepasses if op != "prepass"):
+        phase.check(f"{op} peak <= compute_log_prob's", prepasses[op] <= peak["compute_log_prob"],
+                    f"{op} {prepasses[op]:.2f} GiB; compute_log_prob (calculate_entropy=True) "
+                    f"{peak['compute_log_prob']:.2f} GiB")

@@ -8,7 +8,9 @@ the plugin's hook), on responses sampled from the policy being trained (:mod:`.p
 rewarded by the fraction of response tokens in a target set. GRPO, 8 prompts x 8 responses of 8
 tokens per step, 2 minibatches x 2 PPO epochs (4 optimizer steps per trainer step: KL-Cov acts from
 the second one on, off-policy), SGD lr 0.03, fp32, CPU. Every loss mode (vanilla, ``kl_cov``,
-``kl_cov_global``, ``clip_cov``, ``clip_cov_global``) at ``ppo_micro_batch_size_per_gpu`` 1 and 4.
+``kl_cov_global``, ``clip_cov``, ``clip_cov_global``, the authors' high-entropy rule per micro-batch
+``high_entropy_per_micro_batch`` (the lab's comparator) and ``high_entropy_global``) at
+``ppo_micro_batch_size_per_gpu`` 1 and 4.
 At 1, each of upstream's loss calls sees one sequence, whose GRPO advantage is constant: every
 covariance is 0 there.
 
@@ -21,7 +23,7 @@ two micro-batch sizes, step by step, against vanilla's own difference (its float
 Knobs: ``kl_cov_ratio`` 0.1 and ``ppo_kl_coef`` 1 (the toy the issue quotes; the paper's 0.002 would
 select 1 token of a 256-token minibatch: the quota floor), ``clip_cov_ratio`` 0.1 and the window
 (0, 5) (verl's default lower bound 1 leaves no candidate while the policy is near uniform:
-covariances start near 0).
+covariances start near 0), ``entropy_top_ratio`` 0.2 (the paper's).
 """
 
 from __future__ import annotations
@@ -42,9 +44,14 @@ MICRO_BATCH_SIZES = (1, 4)
 #: A global mode's curves may differ between micro-batch sizes by at most this many times vanilla's difference.
 NOISE_FACTOR = 10.0
 ENTROPY, REWARD = "actor/entropy", "critic/score/mean"
-PREFIXES = {"kl_cov_global": "actor/kl_cov/", "clip_cov_global": "actor/clip_cov/"}
+PREFIXES = {"kl_cov_global": "actor/kl_cov/", "clip_cov_global": "actor/clip_cov/",
+            "high_entropy_global": "actor/high_entropy/"}
 COUNTS = ("quota", "selected", "clipped", "candidates", "valid_tokens", "nonfinite_tokens")
 COVARIANCE = ("cov_mean", "selected_cov_mean", "selected_cov_share")
+#: high_entropy_global's selection figures (minibatch-global, per optimizer step, logged like the covariance ones)
+ENTROPY_FIGURES = ("entropy_threshold", "entropy_mean", "selected_entropy_mean", "selected_entropy_share")
+#: The authors' per-micro-batch rule (the lab's comparator) logs the tokens it kept in each micro-batch.
+COMPARATOR_SELECTED = "actor/high_entropy_per_micro_batch/selected_in_micro_batch"
 
 BASE = RunConfig(
     steps=40, prompts_per_step=8, responses_per_prompt=8, mini_batch_prompts=4, ppo_epochs=2,
@@ -124,11 +131,13 @@ def curves(result: RunResult) -> dict[str, list[float]]:
            "sample_entropy": [f["sample_entropy"] for f in result.rollout_figures]}
     prefix = PREFIXES.get(result.config.loss_mode)
     if prefix:
-        for name in COUNTS + COVARIANCE:
+        for name in COUNTS + COVARIANCE + ENTROPY_FIGURES:
             if all(prefix + name in m for m in result.metrics):
                 out[name] = [m[prefix + name] for m in result.metrics]
     if result.config.loss_mode == "clip_cov":
         out["pg_clipfrac"] = [m.get("actor/pg_clipfrac", math.nan) for m in result.metrics]
+    if all(COMPARATOR_SELECTED in m for m in result.metrics):
+        out["selected_in_micro_batch"] = [m[COMPARATOR_SELECTED] for m in result.metrics]
     return out
 
 
@@ -188,7 +197,7 @@ def summarize(results: Sequence[RunResult]) -> dict:
         per_run[key] = {"entropy_start": c["entropy"][0], "entropy_end": c["entropy"][-1],
                         "reward_start": c["reward"][0], "reward_end": c["reward"][-1],
                         "seconds": getattr(r, "seconds", None)}
-        for name in COVARIANCE:
+        for name in COVARIANCE + ENTROPY_FIGURES:
             if name in c:
                 per_run[key][f"{name}_mean_over_steps"] = sum(c[name]) / len(c[name])
     pairs = {}
@@ -254,7 +263,7 @@ def format_report(report: dict) -> str:
                      + ("" if p["counts_identical"] is None else
                         f", selection counts {'identical' if p['counts_identical'] else 'DIFFER'}"))
     for key, r in report["runs"].items():
-        cov = {n: r.get(f"{n}_mean_over_steps") for n in COVARIANCE if f"{n}_mean_over_steps" in r}
+        cov = {n: r.get(f"{n}_mean_over_steps") for n in COVARIANCE + ENTROPY_FIGURES if f"{n}_mean_over_steps" in r}
         if cov:
             lines.append(f"  {key}: mean over steps " + ", ".join(f"{n} {v:.4f}" for n, v in cov.items()))
     lines.append("verdict: " + json.dumps({k: v for k, v in report["verdict"].items()
@@ -263,7 +272,8 @@ def format_report(report: dict) -> str:
 
 
 COLORS = {"vanilla": "0.45", "kl_cov": "tab:red", "kl_cov_global": "tab:blue", "clip_cov": "tab:orange",
-          "clip_cov_global": "tab:green"}
+          "clip_cov_global": "tab:green", "high_entropy_per_micro_batch": "tab:purple",
+          "high_entropy_global": "tab:cyan"}
 
 
 def plot(report: dict, path: str) -> None:
@@ -297,6 +307,9 @@ def plot(report: dict, path: str) -> None:
                       label=f"{label}: selected share")
             ax_s.plot(steps, c["cov_mean"], color=COLORS[mode], ls=ls, lw=0.8, alpha=0.6,
                       label=f"{label}: cov_mean")
+        if "selected_entropy_share" in c:  # high_entropy_global: the selected tokens' share of the entropy
+            ax_s.plot(steps, c["selected_entropy_share"], color=COLORS[mode], ls=ls, lw=2.2,
+                      label=f"{label}: selected entropy share")
     ax_h.set_title("policy entropy (actor/entropy)")
     ax_r.set_title("mean reward (critic/score/mean; 0-1: share of target tokens)")
     ax_c.set_title("entropy change H(t+1) - H(t) vs the step's token Cov(log-prob, advantage)\n"
@@ -306,7 +319,7 @@ def plot(report: dict, path: str) -> None:
     ax_c.set_xlabel("token covariance of the step's batch")
     ax_c.set_ylabel("entropy change")
     ax_s.set_title("global modes' logged figures (means of the step's optimizer steps):\n"
-                   "selected_cov_share (thick), cov_mean (thin)")
+                   "selected_cov_share / selected_entropy_share (thick), cov_mean (thin)")
     for ax in (ax_h, ax_r, ax_s):
         ax.set_xlabel("trainer step")
         ax.grid(True, alpha=0.3)
@@ -320,7 +333,8 @@ def plot(report: dict, path: str) -> None:
         f"{cfg['prompts_per_step']}x{cfg['responses_per_prompt']} responses of {cfg['max_response_length']} tokens "
         f"per step, {cfg['prompts_per_step'] // cfg['mini_batch_prompts']} minibatches x {cfg['ppo_epochs']} epochs, "
         f"{cfg['optimizer']} lr {cfg['lr']}, kl_cov_ratio {cfg['kl_cov_ratio']} coef {cfg['ppo_kl_coef']}, "
-        f"clip_cov_ratio {cfg['clip_cov_ratio']} window ({cfg['clip_cov_lb']}, {cfg['clip_cov_ub']})", fontsize=11)
+        f"clip_cov_ratio {cfg['clip_cov_ratio']} window ({cfg['clip_cov_lb']}, {cfg['clip_cov_ub']})"
+        + (f", entropy_top_ratio {cfg['entropy_top_ratio']}" if "entropy_top_ratio" in cfg else ""), fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -332,7 +346,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--png", help="write the picture here (needs matplotlib: the plot extra)")
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--steps", type=int, default=BASE.steps, help="GRPO steps per run (default %(default)s)")
-    parser.add_argument("--modes", default=",".join(LOSS_MODES), help="comma-separated (default: all five)")
+    parser.add_argument("--modes", default=",".join(LOSS_MODES), help="comma-separated (default: all seven)")
     parser.add_argument("--jobs", type=int, default=2, help="processes running runs in parallel (default %(default)s)")
     parser.add_argument("--seed", type=int, default=BASE.seed)
     parser.add_argument("--from-json", metavar="PATH", help="no runs: report and draw a JSON an earlier run wrote")

@@ -45,7 +45,15 @@ from verl_klcov_global.lab import cpu as _cpu
 from . import random_responses
 
 #: Loss modes a run may use: verl's own and the plugin's.
-LOSS_MODES = ("vanilla", "kl_cov", "kl_cov_global", "clip_cov", "clip_cov_global")
+LOSS_MODES = ("vanilla", "kl_cov", "kl_cov_global", "clip_cov", "clip_cov_global", "high_entropy_per_micro_batch",
+              "high_entropy_global")
+#: The high-entropy modes and the ``policy_loss`` config class each needs (``entropy_top_ratio`` is not a key of
+#: verl's ``PolicyLossConfig``). ``high_entropy_per_micro_batch`` is the authors' rule, the lab's comparator:
+#: registered in this process by :func:`run_trainer`, fed each micro-batch's entropy by the lab's loss function.
+HIGH_ENTROPY_CONFIGS = {
+    "high_entropy_global": "verl_klcov_global.config.HighEntropyGlobalPolicyLossConfig",
+    "high_entropy_per_micro_batch": "verl_klcov_global.lab.per_micro_batch.HighEntropyPerMicroBatchPolicyLossConfig",
+}
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,7 @@ class RunConfig:
     clip_cov_ratio: float = 0.02
     clip_cov_lb: float = 0.3
     clip_cov_ub: float = 5.0
+    entropy_top_ratio: float = 0.2
 
     def label(self) -> str:
         return f"{self.loss_mode} mbs={self.micro_batch_size} dp={self.world_size}"
@@ -148,6 +157,7 @@ def trainer_overrides(run: RunConfig, *, model_path: str, train_file: str, out_d
         f"{policy}.clip_cov_ratio={run.clip_cov_ratio}",
         f"{policy}.clip_cov_lb={run.clip_cov_lb}",
         f"{policy}.clip_cov_ub={run.clip_cov_ub}",
+        *high_entropy_overrides(run),
         f"actor_rollout_ref.rollout.n={run.responses_per_prompt}",
         "actor_rollout_ref.rollout.full_determinism=True",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
@@ -165,6 +175,18 @@ def trainer_overrides(run: RunConfig, *, model_path: str, train_file: str, out_d
         "trainer.logger=[console]",
         f"trainer.default_local_dir={os.path.join(out_dir, 'checkpoints')}",
     ]
+
+
+def high_entropy_overrides(run: RunConfig) -> list[str]:
+    """The config class and ``entropy_top_ratio`` of a high-entropy mode (none for the other modes); the
+    authors' rule also needs the training forward's entropy (verl's ``actor.calculate_entropy``)."""
+    if run.loss_mode not in HIGH_ENTROPY_CONFIGS:
+        return []
+    policy = "actor_rollout_ref.actor.policy_loss"
+    out = [f"{policy}._target_={HIGH_ENTROPY_CONFIGS[run.loss_mode]}", f"+{policy}.entropy_top_ratio={run.entropy_top_ratio}"]
+    if run.loss_mode != "high_entropy_global":
+        out.append("actor_rollout_ref.actor.calculate_entropy=True")
+    return out
 
 
 #: Overrides that differ between the runs compared: applied to a cached composition of the others
@@ -440,6 +462,8 @@ def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0
     tokenizer = hf_tokenizer(model_path)
     worker = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
     worker.init_model()
+    if run.loss_mode in HIGH_ENTROPY_CONFIGS and run.loss_mode != "high_entropy_global":
+        _use_lab_comparator(worker)
     result = RunResult(config=run)
     if make_rollout is None:
         rollout = RandomRollout(tokenizer, seed=run.seed, max_prompt_length=run.max_prompt_length,
@@ -471,6 +495,19 @@ def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0
                            f"versions, expected {run.steps - resumed} and {run.steps - resumed + 1}")
     del trainer, worker
     return result
+
+
+def _use_lab_comparator(worker) -> None:
+    """Register the authors' per-micro-batch rule in this process and give the worker the lab's loss function,
+    which hands it each micro-batch's entropy (:mod:`verl_klcov_global.lab.per_micro_batch`)."""
+    import functools
+
+    from verl_klcov_global.lab import per_micro_batch
+
+    per_micro_batch.register_comparator()
+    config = worker.loss_fn.keywords["config"]  # functools.partial(ppo_loss, config=actor_config)
+    worker.loss_fn = functools.partial(per_micro_batch.ppo_loss_with_entropy, config=config)
+    worker.actor.set_loss_fn(worker.loss_fn)
 
 
 def run_local(runs: Sequence[RunConfig], *, model_path: str, work_dir: str, progress=None,

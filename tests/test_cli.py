@@ -26,8 +26,9 @@ def test_short_real_run_reports_invariance_and_writes_json(tmp_path):
     proc = run_cli("diagnose", *SMALL, "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK: kl_cov_global is INVARIANT" in proc.stdout and "OK: clip_cov_global is INVARIANT" in proc.stdout
-    # 6 modes x 2 layouts + the two Clip-Cov modes run once more
-    assert "[block 1/1] update 14/14: kl_cov_global[prepass=train] / 4 micro-batches" in proc.stderr  # progress
+    assert "OK: high_entropy_global is INVARIANT" in proc.stdout
+    # 8 modes x 2 layouts + the two Clip-Cov modes run once more
+    assert "[block 1/1] update 18/18: kl_cov_global[prepass=train] / 4 micro-batches" in proc.stderr  # progress
     report = json.loads(out.read_text())
     assert report["modes"]["kl_cov_global[prepass=train]"]["selected_per_layout"] == [[1, 1]]
     assert report["invariant"] is True
@@ -35,7 +36,14 @@ def test_short_real_run_reports_invariance_and_writes_json(tmp_path):
     assert report["modes"]["kl_cov_global"]["selected_per_layout"] == [[1, 1]]
     assert report["modes"]["kl_cov"]["selected_per_layout"] == [[1, 4]]
     assert report["modes"]["kl_cov"]["ratio_to_control"][0] > 10
-    assert set(report["verdicts"]) == {"kl_cov_global", "clip_cov_global"}
+    assert set(report["verdicts"]) == {"kl_cov_global", "clip_cov_global", "high_entropy_global"}
+    # 16 x 32 = 512 valid tokens: ours keeps exactly int(512 * 0.2) = 102 whatever the layout; the authors'
+    # per-micro-batch rule (the lab's comparator) takes its threshold in each of the 4 micro-batches
+    high = report["modes"]["high_entropy_global"]
+    assert high["masks_identical"] is True and high["selected_per_layout"] == [[102, 102]]
+    assert high["ratio_to_control"][0] <= 10
+    upstream = report["modes"]["high_entropy_per_micro_batch"]
+    assert upstream["masks_identical"] is None and upstream["ratio_to_control"][0] > 10
     clip_global = report["modes"]["clip_cov_global"]
     assert clip_global["masks_identical"] is True and clip_global["ratio_to_control"][0] <= 10
     assert clip_global["repeat_param_diff"] == [0.0]  # same seed, same tokens: the same update again
@@ -53,6 +61,7 @@ def test_short_real_run_reports_invariance_and_writes_json(tmp_path):
     (["--json", "/nonexistent/dir/report.json"], "does not exist"),
     (["--clip-cov-lb", "6"], "clip_cov_lb must be below clip_cov_ub"),
     (["--clip-cov-ratio", "0"], "clip_cov_ratio must be finite"),
+    (["--entropy-top-ratio", "20"], "--entropy-top-ratio must be a fraction in (0, 1]"),
 ])
 def test_bad_options_fail_clearly_and_write_nothing(tmp_path, capfd, args, message):
     out = tmp_path / "report.json"

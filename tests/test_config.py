@@ -123,3 +123,92 @@ def test_clip_cov_config_dataclass():
         ClipCovGlobalPolicyLossConfig(loss_mode="vanilla")
     with pytest.raises(ValueError, match="prepass_layout must be one of"):
         ClipCovGlobalPolicyLossConfig(prepass_layout="micro")
+
+
+# ---------------------------------------------------------------------------------------------
+# high_entropy_global
+
+
+def high_entropy_actor(policy_loss=None, **actor_kwargs):
+    from verl_klcov_global.config import HighEntropyGlobalPolicyLossConfig
+
+    policy_loss = policy_loss if policy_loss is not None else HighEntropyGlobalPolicyLossConfig()
+    return ActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+                       policy_loss=policy_loss, **actor_kwargs)
+
+
+def test_high_entropy_defaults_are_the_papers_and_vanillas():
+    from verl_klcov_global.config import DEFAULT_ENTROPY_TOP_RATIO, read_high_entropy_settings
+    from verl_klcov_global.modes import HIGH_ENTROPY
+
+    settings = read_high_entropy_settings(high_entropy_actor(clip_ratio_low=0.2, clip_ratio_high=0.28))
+    assert settings.entropy_top_ratio == DEFAULT_ENTROPY_TOP_RATIO == 0.2
+    assert (settings.clip_ratio_low, settings.clip_ratio_high, settings.clip_ratio_c) == (0.2, 0.28, 3.0)
+    assert settings.prepass_layout == "infer"
+    assert global_mode_of(high_entropy_actor()) is HIGH_ENTROPY
+    # a plain mapping (what an override without _target_ gives) is read the same way
+    mapping = ActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+                          clip_ratio=0.3, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=10.0,
+                          policy_loss=PolicyLossConfig(loss_mode="high_entropy_global"))
+    settings = read_high_entropy_settings(mapping)
+    assert (settings.entropy_top_ratio, settings.clip_ratio_low, settings.clip_ratio_high,
+            settings.clip_ratio_c) == (0.2, 0.3, 0.3, 10.0)
+    assert read_high_entropy_settings(_raw_actor(entropy_top_ratio=0.5)).entropy_top_ratio == 0.5
+
+
+def _raw_actor(clip_ratio=0.2, actor_fields=None, **policy_loss):
+    """The raw (OmegaConf) actor config the driver checks before verl builds its dataclasses."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"policy_loss": {"loss_mode": "high_entropy_global", **policy_loss},
+                             "clip_ratio": clip_ratio, **(actor_fields or {})})
+
+
+@pytest.mark.parametrize("ratio", [0, -0.2, 20, 1.0001, math.nan, math.inf, True, "0.2"])
+def test_bad_entropy_top_ratio_names_the_key_and_the_fraction(ratio):
+    from verl_klcov_global.config import HighEntropyGlobalPolicyLossConfig, read_high_entropy_settings
+
+    match = (r"entropy_top_ratio must be finite and in \(0, 1\].*actor_rollout_ref\.actor\.policy_loss\.entropy_top_ratio"
+             r", e\.g\. =0\.2 \(a fraction: 0\.2 keeps the 20% highest-entropy tokens")
+    with pytest.raises(ValueError, match=match):
+        HighEntropyGlobalPolicyLossConfig(entropy_top_ratio=ratio)
+    with pytest.raises(ValueError, match=match):
+        read_high_entropy_settings(_raw_actor(entropy_top_ratio=ratio))
+
+
+def test_high_entropy_config_dataclass():
+    from verl_klcov_global.config import HighEntropyGlobalPolicyLossConfig, read_high_entropy_settings
+
+    config = HighEntropyGlobalPolicyLossConfig(entropy_top_ratio=1.0, prepass_layout="train")
+    settings = read_high_entropy_settings(high_entropy_actor(config))
+    assert (settings.entropy_top_ratio, settings.prepass_layout) == (1.0, "train")
+    with pytest.raises(ValueError, match="loss_mode=high_entropy_global, but loss_mode is 'vanilla'"):
+        HighEntropyGlobalPolicyLossConfig(loss_mode="vanilla")
+    with pytest.raises(ValueError, match="prepass_layout must be one of"):
+        HighEntropyGlobalPolicyLossConfig(prepass_layout="micro")
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("clip_ratio_high", -0.1, r"clip_ratio_high must be finite and >= 0.*actor_rollout_ref.actor.clip_ratio_high"),
+    ("clip_ratio_c", 1.0, r"clip_ratio_c must be finite and > 1.*actor_rollout_ref.actor.clip_ratio_c, e.g. =3.0"),
+    ("clip_ratio_c", math.nan, r"clip_ratio_c must be finite and > 1"),
+])
+def test_bad_vanilla_knobs_for_high_entropy_global(key, value, match):
+    from verl_klcov_global.config import read_high_entropy_settings
+
+    with pytest.raises(ValueError, match=match):
+        read_high_entropy_settings(_raw_actor(actor_fields={key: value}))
+
+
+def test_unsupported_strategy_suggests_only_an_upstream_verl_registers(monkeypatch):
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    from verl_klcov_global.config import unsupported_strategy_message
+
+    assert "use loss_mode=kl_cov (per-micro-batch" in unsupported_strategy_message("kl_cov_global", "kl_cov", "x")
+    comparator = "high_entropy_per_micro_batch"
+    monkeypatch.delitem(POLICY_LOSS_REGISTRY, comparator, raising=False)  # as in a user's process: the lab's only
+    lab_only = unsupported_strategy_message("high_entropy_global", comparator, "x")
+    assert comparator not in lab_only and "use another loss mode" in lab_only
+    monkeypatch.setitem(POLICY_LOSS_REGISTRY, comparator, object())  # where the lab registered it, it is suggested
+    assert f"use loss_mode={comparator}" in unsupported_strategy_message("high_entropy_global", comparator, "x")

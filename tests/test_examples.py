@@ -59,22 +59,35 @@ def test_example_overrides_compose_and_validate(script):
     with initialize_config_dir(config_dir=VERL_CONFIG_DIR, version_base=None):
         config = compose(config_name="ppo_trainer", overrides=overrides)
     actor = validated_actor(config)
-    if "clip_cov" in script.name:
-        assert isinstance(actor.policy_loss, ClipCovGlobalPolicyLossConfig)
-        settings = read_clip_cov_settings(actor)
-        assert (settings.clip_cov_ratio, settings.clip_cov_lb, settings.clip_cov_ub) == (0.0002, 1.0, 5.0)
-        assert (settings.clip_ratio_low, settings.clip_ratio_high, settings.clip_cov_seed) == (1.0, 1.0, 0)
-        assert actor.clip_ratio_c == 10.0
+    if "high_entropy" in script.name:
+        # the authors' Qwen3-14B DAPO script (the 32B variant changes the model only)
+        from verl_klcov_global.config import HighEntropyGlobalPolicyLossConfig, read_high_entropy_settings
+
+        assert isinstance(actor.policy_loss, HighEntropyGlobalPolicyLossConfig)
+        settings = read_high_entropy_settings(actor)
+        assert settings.entropy_top_ratio == 0.2 and settings.prepass_layout == "infer"
+        assert (settings.clip_ratio_low, settings.clip_ratio_high, settings.clip_ratio_c) == (0.2, 0.28, 10.0)
+        assert actor.ppo_max_token_len_per_gpu == 2048 + 20480 and actor.ulysses_sequence_parallel_size == 8
+        assert config.data.train_batch_size == 512 and config.actor_rollout_ref.rollout.n == 16
+        assert actor.optim.weight_decay == 0.1 and actor.grad_clip == 1.0
+        assert ("14B" in config.actor_rollout_ref.model.path) != ("32b" in script.name)
     else:
-        assert isinstance(actor.policy_loss, KLCovGlobalPolicyLossConfig)
-        settings = read_kl_cov_settings(actor)
-        expected_ratio = 0.0002 if "32b" in script.name else 0.002
-        assert settings.kl_cov_ratio == expected_ratio and settings.ppo_kl_coef == 1.0
-    expected_tokens = 20480 if "32b" in script.name else 30720
-    assert actor.ppo_max_token_len_per_gpu == expected_tokens
+        if "clip_cov" in script.name:
+            assert isinstance(actor.policy_loss, ClipCovGlobalPolicyLossConfig)
+            settings = read_clip_cov_settings(actor)
+            assert (settings.clip_cov_ratio, settings.clip_cov_lb, settings.clip_cov_ub) == (0.0002, 1.0, 5.0)
+            assert (settings.clip_ratio_low, settings.clip_ratio_high, settings.clip_cov_seed) == (1.0, 1.0, 0)
+            assert actor.clip_ratio_c == 10.0
+        else:
+            assert isinstance(actor.policy_loss, KLCovGlobalPolicyLossConfig)
+            settings = read_kl_cov_settings(actor)
+            expected_ratio = 0.0002 if "32b" in script.name else 0.002
+            assert settings.kl_cov_ratio == expected_ratio and settings.ppo_kl_coef == 1.0
+        expected_tokens = 20480 if "32b" in script.name else 30720
+        assert actor.ppo_max_token_len_per_gpu == expected_tokens
+        assert config.data.train_batch_size == 256 and config.actor_rollout_ref.rollout.n == 8
     assert actor.loss_agg_mode == "token-mean" and actor.entropy_coeff == 0 and not actor.use_kl_loss
     assert actor.use_dynamic_bsz and actor.ppo_mini_batch_size == 32
-    assert config.data.train_batch_size == 256 and config.actor_rollout_ref.rollout.n == 8
 
 
 def compose_config_file(name, overrides=()):
@@ -103,5 +116,29 @@ def test_clip_cov_global_yaml_selects_the_plugin_config_and_takes_overrides_with
 ])
 def test_clip_cov_global_yaml_bad_values_fail_verls_validation(override, message):
     config = compose_config_file("clip_cov_global", [f"actor_rollout_ref.actor.policy_loss.{override}"])
+    with pytest.raises(Exception, match=message):
+        validated_actor(config)
+
+
+def test_high_entropy_global_yaml_selects_the_plugin_config_and_takes_overrides_without_plus():
+    from verl_klcov_global.config import HighEntropyGlobalPolicyLossConfig, read_high_entropy_settings
+
+    actor = validated_actor(compose_config_file("high_entropy_global", [
+        "actor_rollout_ref.actor.policy_loss.entropy_top_ratio=0.1",
+        "actor_rollout_ref.actor.policy_loss.prepass_layout=train"]))
+    assert type(actor.policy_loss) is HighEntropyGlobalPolicyLossConfig
+    settings = read_high_entropy_settings(actor)
+    assert (settings.entropy_top_ratio, settings.prepass_layout) == (0.1, "train")
+    default = validated_actor(compose_config_file("high_entropy_global"))
+    assert read_high_entropy_settings(default).entropy_top_ratio == 0.2  # the paper's rho
+
+
+@pytest.mark.parametrize("override, message", [
+    ("entropy_top_ratio=20", r"entropy_top_ratio.*policy_loss.entropy_top_ratio"),
+    ("entropy_top_ratio=0", r"entropy_top_ratio must be finite and in \(0, 1\]"),
+    ("loss_mode=kl_cov_global", r"loss_mode is 'kl_cov_global'.*policy_loss.loss_mode=high_entropy_global"),
+])
+def test_high_entropy_global_yaml_bad_values_fail_verls_validation(override, message):
+    config = compose_config_file("high_entropy_global", [f"actor_rollout_ref.actor.policy_loss.{override}"])
     with pytest.raises(Exception, match=message):
         validated_actor(config)

@@ -251,3 +251,89 @@ def test_clip_cov_global_without_a_mask_raises_with_the_fix():
         get_policy_loss_fn("clip_cov_global")(**loss_inputs(0), config=clip_cov_config("clip_cov_global"))
     assert issubclass(KLCovMaskUnavailableError, SelectionMaskUnavailableError)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# high_entropy_global: verl's vanilla on the selected tokens' advantages, aggregated over all tokens
+
+
+def vanilla_config(loss_mode, global_batch_info=None, low=0.2, high=0.28, clip_ratio_c=3.0):
+    config = ActorConfig(
+        strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+        clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=clip_ratio_c,
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+    )
+    config.global_batch_info.update(global_batch_info or {})
+    return config
+
+
+def high_entropy_inputs(seed, with_is_weights, ratio):
+    """Loss inputs with log-ratios large enough for both clips and the dual clip, and a high-entropy selection."""
+    from verl_klcov_global import select_high_entropy_tokens
+
+    inputs = loss_inputs(seed, with_is_weights=with_is_weights)
+    gen = torch.Generator().manual_seed(seed + 2)
+    inputs["old_log_prob"] = inputs["log_prob"].detach() + 1.0 * torch.randn(inputs["log_prob"].shape, generator=gen)
+    entropy = torch.rand(inputs["log_prob"].shape, generator=gen) * 2
+    return inputs, select_high_entropy_tokens(entropy, inputs["response_mask"], ratio)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), agg_mode=st.sampled_from(LOSS_AGG_MODES), with_is=st.booleans(),
+       ratio=st.sampled_from([0.05, 0.2, 1.0]), clip=st.sampled_from([(0.2, 0.28, 3.0), (0.1, 0.5, 1.5)]),
+       global_info=st.sampled_from([{}, {"dp_size": 1, "batch_num_tokens": 500, "global_batch_size": 12}]))
+def test_high_entropy_global_is_verl_vanilla_on_the_masked_advantages(seed, agg_mode, with_is, ratio, clip,
+                                                                      global_info):
+    """Loss, gradient and metrics = verl's own vanilla on ``A * mask`` with the unchanged response_mask, bit for bit
+    (rollout IS weights, clip_ratio_low/high and the dual clip clip_ratio_c included); rho = 1 is vanilla itself."""
+    inputs, selection = high_entropy_inputs(seed, with_is, ratio)
+    low, high, c = clip
+    reference = {**inputs, "advantages": inputs["advantages"] * selection.mask}
+    ref_loss, ref_grad, ref_metrics = loss_and_grad("vanilla", reference, agg_mode,
+                                                    vanilla_config("vanilla", global_info, low, high, c))
+    with provide_selection_mask(selection.mask, selection.figures()):
+        loss, grad, metrics = loss_and_grad("high_entropy_global", inputs, agg_mode,
+                                            vanilla_config("high_entropy_global", global_info, low, high, c))
+    assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad)
+    for name in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
+        assert metrics[name] == ref_metrics[name], name
+    assert not grad[~selection.mask].any()  # unselected tokens: exactly no gradient
+    assert metrics["actor/high_entropy/selected_in_micro_batch"] == selection.mask.sum().item() == selection.quota
+    for name, value in selection.figures().items():
+        assert metrics[f"actor/high_entropy/{name}"] == value
+    if ratio == 1.0:  # every valid token selected: verl's vanilla on the plain advantages
+        plain_loss, plain_grad, _ = loss_and_grad("vanilla", inputs, agg_mode,
+                                                  vanilla_config("vanilla", global_info, low, high, c))
+        assert torch.equal(loss, plain_loss) and torch.equal(grad, plain_grad)
+
+
+def test_high_entropy_global_exercises_both_clips_and_the_dual_clip():
+    """The inputs of the comparison above do reach every branch of vanilla (else it proves little)."""
+    inputs, selection = high_entropy_inputs(0, False, 1.0)
+    with provide_selection_mask(selection.mask):
+        _, _, metrics = loss_and_grad("high_entropy_global", inputs, "token-mean", vanilla_config("high_entropy_global"))
+    assert metrics["actor/pg_clipfrac"] > 0.05 and metrics["actor/pg_clipfrac_lower"] > 0
+
+
+def test_high_entropy_global_normalises_by_all_tokens_and_ignores_unselected_nonfinite_advantages():
+    """token-mean: sum over selected tokens / all valid tokens (the paper's 1/sum|o_i|), not / selected tokens;
+    an unselected token with a NaN advantage contributes exactly 0."""
+    inputs, selection = high_entropy_inputs(3, False, 0.2)
+    unselected = (inputs["response_mask"] & ~selection.mask).nonzero()[0]
+    inputs["advantages"] = inputs["advantages"].clone()
+    inputs["advantages"][tuple(unselected)] = float("nan")
+    with provide_selection_mask(selection.mask):
+        loss, grad, _ = loss_and_grad("high_entropy_global", inputs, "token-mean", vanilla_config("high_entropy_global"))
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    r = torch.exp(torch.clamp(inputs["log_prob"].detach() - inputs["old_log_prob"], -20, 20))
+    a = torch.where(selection.mask, inputs["advantages"], 0.0)
+    per_token = torch.maximum(-a * r, -a * torch.clamp(r, 0.8, 1.28))
+    per_token = torch.where(a < 0, torch.minimum(per_token, -a * 3.0), per_token)
+    torch.testing.assert_close(loss, per_token[selection.mask].sum() / inputs["response_mask"].sum())
+
+
+def test_high_entropy_global_without_a_mask_raises_with_the_fix():
+    from verl_klcov_global import HighEntropyMaskUnavailableError
+
+    with pytest.raises(HighEntropyMaskUnavailableError, match="loss_mode=high_entropy_global .*prepass hook"):
+        get_policy_loss_fn("high_entropy_global")(**loss_inputs(0), config=vanilla_config("high_entropy_global"))

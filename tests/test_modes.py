@@ -69,3 +69,46 @@ def test_clip_cov_without_input_ids_says_why():
     del data["input_ids"]
     with pytest.raises(KeyError, match="clip_cov_global needs the minibatch's `input_ids`"):
         _select(data, padded(data["old_log_probs"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# high_entropy_global: the entropy is a prepass output, asked for by the row, not by the name
+
+
+def high_entropy_actor(**policy_loss):
+    from verl_klcov_global.config import HighEntropyGlobalPolicyLossConfig
+
+    return _tiny.make_actor_config(policy_loss=HighEntropyGlobalPolicyLossConfig(**policy_loss))
+
+
+def test_high_entropy_row():
+    from verl_klcov_global.modes import HIGH_ENTROPY, MODES
+
+    assert global_mode_of(high_entropy_actor()) is HIGH_ENTROPY is MODES["high_entropy_global"]
+    assert HIGH_ENTROPY.metric_prefix == "actor/high_entropy/"
+    assert HIGH_ENTROPY.upstream == "high_entropy_per_micro_batch"  # the lab's comparator, never the plugin's
+    assert (HIGH_ENTROPY.ratio_knob, HIGH_ENTROPY.paper_ratios) == ("entropy_top_ratio", (("14B", 0.2), ("32B", 0.2)))
+    assert HIGH_ENTROPY.response_fields == () and HIGH_ENTROPY.sequence_fields == ()
+    # the only row whose prepass computes the entropy; KL-Cov's and Clip-Cov's stay log-probs only
+    assert {name for name, mode in MODES.items() if mode.prepass_reads_entropy} >= {"high_entropy_global"}
+    assert not KL_COV.prepass_reads_entropy and not CLIP_COV.prepass_reads_entropy
+
+
+@pytest.mark.parametrize("layout", ["v1", "legacy"])
+def test_high_entropy_selection_reads_the_prepass_entropy_in_either_trainer_layout(layout):
+    from verl_klcov_global import select_high_entropy_tokens
+    from verl_klcov_global.modes import HIGH_ENTROPY
+
+    data = _minibatch(4, layout)
+    response_mask = padded(data["response_mask"]).bool()
+    width = response_mask.shape[1]
+    entropy = torch.rand(BATCH, width + 3, generator=torch.Generator().manual_seed(9))  # wider: cut to the mask
+    settings_ = HIGH_ENTROPY.read_settings(high_entropy_actor(entropy_top_ratio=0.25))
+    log_probs = padded(data["old_log_probs"])  # unused by this selection
+    selection = HIGH_ENTROPY.select_minibatch(log_probs, data, settings_, None, entropy)
+    expected = select_high_entropy_tokens(entropy[:, :width], response_mask, 0.25)
+    assert torch.equal(selection.mask, expected.mask) and selection.quota == expected.quota > 1
+    with pytest.raises(ValueError, match="high_entropy_global selects on the current-policy entropy"):
+        HIGH_ENTROPY.select_minibatch(log_probs, data, settings_, None)
+    # a mode that does not read it never sees it
+    assert KL_COV.read_minibatch(log_probs, data, entropy).entropy is None

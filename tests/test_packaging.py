@@ -74,18 +74,33 @@ def test_readme_knob_defaults_are_the_packaged_configs_and_verls():
     from verl_klcov_global.configs import CONFIG_DIR
 
     composed = {}
-    for name in ("kl_cov_global", "clip_cov_global"):
+    for name in ("kl_cov_global", "clip_cov_global", "high_entropy_global"):
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
             composed[name] = compose(config_name=name).actor_rollout_ref.actor.policy_loss
     GlobalHydra.instance().clear()
-    kl, clip = composed["kl_cov_global"], composed["clip_cov_global"]
-    assert kl.prepass_layout == clip.prepass_layout
+    kl, clip, high = composed["kl_cov_global"], composed["clip_cov_global"], composed["high_entropy_global"]
+    assert kl.prepass_layout == clip.prepass_layout == high.prepass_layout
     expected = {"kl_cov_ratio": [kl.kl_cov_ratio], "ppo_kl_coef": [kl.ppo_kl_coef, PolicyLossConfig().ppo_kl_coef],
                 "clip_cov_ratio": [clip.clip_cov_ratio], "clip_cov_lb": [clip.clip_cov_lb, clip.clip_cov_ub],
-                "clip_cov_seed": [clip.clip_cov_seed], "prepass_layout": [kl.prepass_layout]}
+                "clip_cov_seed": [clip.clip_cov_seed], "entropy_top_ratio": [high.entropy_top_ratio],
+                "prepass_layout": [kl.prepass_layout]}
     rows = _readme_knob_rows()
     for key, values in expected.items():
         (cells,) = [cells for cells in rows.values() if f"`{key}`" in cells[1]]
         default = cells[3]  # | mode | key | meaning | default | valid |
         assert all(str(v) in default for v in values), (key, values, default)
+
+
+def test_every_packaged_config_is_package_data_and_selects_a_mode_of_the_table():
+    """pyproject's package-data glob ships each configs/*.yaml (the wheel job checks the built wheel too)."""
+    from verl_klcov_global.configs import CONFIG_DIR, CONFIG_NAMES
+    from verl_klcov_global.modes import MODES
+
+    if tomllib is not None:
+        globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+        assert "configs/*.yaml" in globs["verl_klcov_global"]
+    assert sorted(CONFIG_NAMES) == sorted(MODES)  # one config per mode of the table
+    for name in CONFIG_NAMES:
+        text = (Path(CONFIG_DIR) / f"{name}.yaml").read_text()
+        assert f"loss_mode: {name}" in text and f"--config-name={name}" in text, name

@@ -1,5 +1,5 @@
-"""A restart loses nothing: a ``kl_cov_global`` run killed during step 3 and resumed from verl's checkpoint
-equals one uninterrupted run, bit for bit (CPU, fp32).
+"""A restart loses nothing: a ``kl_cov_global`` (or ``high_entropy_global``) run killed during step 3 and resumed
+from verl's checkpoint equals one uninterrupted run, bit for bit (CPU, fp32).
 
 The runs (``trainer_support/restart.py``) are verl 0.9.1's ``RayPPOTrainer.fit`` (legacy trainer)
 with verl's real worker and FSDP2 engine in a child process each, GRPO, 4 prompts x 4 responses
@@ -18,6 +18,10 @@ Required: steps 1-2 of the killed run and 3-4 of the resumed run log exactly the
 uninterrupted run's steps 1-4 (every metric but timings, throughput and memory: selection counts,
 pg_loss, grad_norm, entropy included), and the resumed run's parameters after the load and at
 the end equal the uninterrupted run's at step 2 and step 4.
+
+The uninterrupted ``high_entropy_global`` run also logs every step through verl's real console and
+tensorboard loggers (``trainer_support/restart.py --tracking``): every ``actor/high_entropy/`` figure is
+printed on the console and read back from the tensorboard event file, with the logged values.
 """
 
 from __future__ import annotations
@@ -33,7 +37,12 @@ from .trainer_support.env import REPO_ROOT, subprocess_env
 
 STEPS = 4
 OPTIMIZER_STEPS_PER_STEP = 4  # RunConfig defaults: 4 prompts / 2 per minibatch x 2 epochs
-REQUIRED = ("actor/kl_cov/selected", "actor/kl_cov/quota", "actor/pg_loss", "actor/grad_norm", "actor/entropy")
+PREFIX = {"kl_cov_global": "actor/kl_cov/", "high_entropy_global": "actor/high_entropy/"}
+#: The selection figures every step must log, besides verl's own (per mode)
+FIGURES = {"kl_cov_global": ("selected", "quota"),
+           "high_entropy_global": ("selected", "quota", "valid_tokens", "nonfinite_tokens", "entropy_threshold",
+                                   "entropy_mean", "selected_entropy_mean", "selected_entropy_share")}
+VERLS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy")
 
 
 def _deterministic(key: str) -> bool:
@@ -47,13 +56,17 @@ def _compare(a: dict, b: dict) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_run_killed_during_step_3_and_resumed_equals_an_uninterrupted_run(tiny_model_path, tmp_path):
+@pytest.mark.parametrize("loss_mode", ["kl_cov_global", "high_entropy_global"])
+def test_a_run_killed_during_step_3_and_resumed_equals_an_uninterrupted_run(tiny_model_path, tmp_path, loss_mode):
     started = time.monotonic()
     env = subprocess_env()
-    common = dict(model=tiny_model_path, steps=STEPS, loss_mode="kl_cov_global", cwd=REPO_ROOT, env=env)
+    prefix = PREFIX[loss_mode]
+    required = tuple(prefix + name for name in FIGURES[loss_mode]) + VERLS
+    common = dict(model=tiny_model_path, steps=STEPS, loss_mode=loss_mode, cwd=REPO_ROOT, env=env)
     # the uninterrupted run and the run to be killed side by side (one thread each)
+    tracking = str(tmp_path / "tensorboard") if loss_mode == "high_entropy_global" else ""
     whole = restart.start(work_dir=str(tmp_path / "whole"), out=str(tmp_path / "whole-out"), resume_mode="disable",
-                          **common)
+                          tracking=tracking, **common)
     killed_dir, killed_out = str(tmp_path / "killed"), str(tmp_path / "killed-out")
     killed = restart.start(work_dir=killed_dir, out=killed_out, resume_mode="disable",
                            block_after_optimizer_steps=2 * OPTIMIZER_STEPS_PER_STEP + 1, **common)
@@ -82,8 +95,8 @@ def test_a_run_killed_during_step_3_and_resumed_equals_an_uninterrupted_run(tiny
     differences = {m["step"]: _compare(m, r) for m, r in zip(stitched, reference["metrics"])}
     assert not any(differences.values()), differences
     for m in stitched:
-        assert all(k in m for k in REQUIRED), sorted(m)
-        assert m["actor/kl_cov/selected"] >= 1  # the penalty acted in every step: not a vacuous comparison
+        assert all(k in m for k in required), sorted(m)
+        assert m[prefix + "selected"] >= 1  # the selection acted in every step: not a vacuous comparison
     compared = sum(1 for k in stitched[0] if _deterministic(k))
     assert after["rollout_digest"] == reference["rollout_digest"][2:]
     assert torch.equal(after["params"][0], reference["params"][2])   # the checkpoint loaded exactly
@@ -92,6 +105,28 @@ def test_a_run_killed_during_step_3_and_resumed_equals_an_uninterrupted_run(tiny
     assert moved > 0
     print(f"\nrestart: {compared} metrics per step equal in steps 1-4 (killed 1-2 + resumed 3-4 vs uninterrupted); "
           f"parameters equal after the load (step 2) and at step 4 (max |change| over steps 3-4: {moved:.3g}); "
-          + "; ".join(f"step {m['step']}: selected {m['actor/kl_cov/selected']:g}, pg_loss {m['actor/pg_loss']:.6g}, "
+          + "; ".join(f"step {m['step']}: selected {m[prefix + 'selected']:g}, pg_loss {m['actor/pg_loss']:.6g}, "
                       f"grad_norm {m['actor/grad_norm']:.6g}, entropy {m['actor/entropy']:.6g}" for m in stitched)
           + f"; {seconds:.0f} s")
+    if tracking:
+        _assert_logged_by_verls_console_and_tensorboard(str(tmp_path / "whole-out" / "log.txt"), tracking,
+                                                        reference["metrics"], required)
+
+
+def _assert_logged_by_verls_console_and_tensorboard(log_file: str, tensorboard_dir: str, metrics: list[dict],
+                                                    required: tuple[str, ...]) -> None:
+    """Every required metric of every step is on verl's console lines and in the tensorboard event file."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    console = [line for line in open(log_file).read().splitlines() if line.startswith("step:")]
+    assert len(console) == len(metrics), console
+    for line, m in zip(console, metrics):
+        assert line.startswith(f"step:{m['step']} "), line
+        for key in required:
+            assert f" - {key}:" in line, (key, line)
+    events = EventAccumulator(tensorboard_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    for key in required:
+        logged = [(event.step, event.value) for event in events.Scalars(key)]
+        # tensorboard stores float32
+        assert logged == [(m["step"], pytest.approx(m[key], rel=1e-6)) for m in metrics], (key, logged)

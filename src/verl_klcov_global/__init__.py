@@ -1,10 +1,12 @@
-"""verl-klcov-global: KL-Cov and Clip-Cov whose token selection does not depend on memory settings.
+"""verl-klcov-global: KL-Cov, Clip-Cov and the 80/20 high-entropy method, whose token selection does
+not depend on memory settings.
 
 Registers the verl policy-loss modes of the mode table (:data:`verl_klcov_global.modes.MODES`:
-``kl_cov_global`` and ``clip_cov_global``): one KL-Cov / Clip-Cov selection per optimizer
-minibatch (and data-parallel group), computed by a no-grad prepass, instead of one per
-micro-batch. Select one with ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global``
-(or ``=clip_cov_global``).
+``kl_cov_global``, ``clip_cov_global`` and ``high_entropy_global``): one KL-Cov / Clip-Cov /
+high-entropy selection per optimizer minibatch (and data-parallel group), computed by a no-grad
+prepass, instead of one per micro-batch. Select one with
+``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global`` (or ``=clip_cov_global``,
+``=high_entropy_global``).
 """
 
 from importlib import metadata as _metadata
@@ -21,9 +23,15 @@ except _seams.VerlSeamError as _error:
     _seams.make_seam_error_visible(_error)
     raise
 
-from .config import MASK_FIELD, ClipCovGlobalPolicyLossConfig, KLCovGlobalPolicyLossConfig
+from .config import (
+    MASK_FIELD,
+    ClipCovGlobalPolicyLossConfig,
+    HighEntropyGlobalPolicyLossConfig,
+    KLCovGlobalPolicyLossConfig,
+)
 from .loss import (
     ClipCovMaskUnavailableError,
+    HighEntropyMaskUnavailableError,
     KLCovMaskUnavailableError,
     SelectionMaskUnavailableError,
     provide_selection_mask,
@@ -32,10 +40,13 @@ from .modes import MODES, ModeSpec, register_mode
 from .plugin import install
 from .selection import (
     ClipCovSelection,
+    HighEntropySelection,
     KLCovSelection,
     clip_cov_quota,
+    high_entropy_quota,
     kl_cov_quota,
     select_clip_cov_tokens,
+    select_high_entropy_tokens,
     select_kl_cov_tokens,
 )
 
@@ -50,16 +61,21 @@ __all__ = [
     "ClipCovGlobalPolicyLossConfig",
     "ClipCovMaskUnavailableError",
     "ClipCovSelection",
+    "HighEntropyGlobalPolicyLossConfig",
+    "HighEntropyMaskUnavailableError",
+    "HighEntropySelection",
     "KLCovGlobalPolicyLossConfig",
     "KLCovMaskUnavailableError",
     "KLCovSelection",
     "ModeSpec",
     "SelectionMaskUnavailableError",
     "clip_cov_quota",
+    "high_entropy_quota",
     "install",
     "kl_cov_quota",
     "provide_selection_mask",
     "register_mode",
     "select_clip_cov_tokens",
+    "select_high_entropy_tokens",
     "select_kl_cov_tokens",
 ]

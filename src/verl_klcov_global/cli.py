@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="Clip-Cov window's lower bound (default 0.3, for the tiny model's small covariances; verl's default 1.0)")
     add("--clip-cov-ub", type=float, help="Clip-Cov window's upper bound (default 5)")
     add("--clip-cov-seed", type=int, help="Clip-Cov's sampling seed, policy_loss.clip_cov_seed (default 0)")
+    add("--entropy-top-ratio", type=float,
+        help="high_entropy_global's rho, the fraction of tokens kept (default 0.2, the paper's); also the "
+             "per-micro-batch comparator's")
     add("--strategy", choices=["fsdp", "fsdp2"], help="default fsdp")
     add("--json", dest="json_path", help="also write the full report as JSON to this file")
     config = diagnose.add_argument_group(
@@ -92,6 +95,7 @@ CONFIG_KEYS = {
     "clip_cov_lb": "actor_rollout_ref.actor.policy_loss.clip_cov_lb",
     "clip_cov_ub": "actor_rollout_ref.actor.policy_loss.clip_cov_ub",
     "clip_cov_seed": "actor_rollout_ref.actor.policy_loss.clip_cov_seed",
+    "entropy_top_ratio": "actor_rollout_ref.actor.policy_loss.entropy_top_ratio",
     "strategy": "actor_rollout_ref.actor.strategy",
 }
 _CONFIG_ONLY = ("config_path", "overrides", "max_tokens", "tiny_model")

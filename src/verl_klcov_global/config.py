@@ -4,7 +4,7 @@ The mode table (:mod:`verl_klcov_global.modes`) points each mode at its reader a
 
 Everything a user can set lives in ``actor_rollout_ref.actor.policy_loss``:
 
-* ``loss_mode=kl_cov_global`` or ``loss_mode=clip_cov_global`` selects this plugin;
+* ``loss_mode=kl_cov_global``, ``=clip_cov_global`` or ``=high_entropy_global`` selects this plugin;
 * ``kl_cov_ratio`` (finite, in (0, 1]) and ``ppo_kl_coef`` (finite, >= 0) mean
   what they mean for verl's ``kl_cov``;
 * ``clip_cov_ratio`` (finite, in (0, 1]), ``clip_cov_lb`` < ``clip_cov_ub`` (finite) mean
@@ -14,8 +14,13 @@ Everything a user can set lives in ``actor_rollout_ref.actor.policy_loss``:
   [0, 2**53), default :data:`DEFAULT_CLIP_COV_SEED` = 0): the seed of Clip-Cov's draw. The
   draw is a hash of (seed, sequence tokens, position), so every minibatch already gets its own
   draw; change the seed to get a different, equally valid one (e.g. per run of a sweep);
+* ``entropy_top_ratio`` (``loss_mode=high_entropy_global``; finite, in (0, 1], default 0.2, the
+  name of the authors' fork): the fraction of valid tokens, by current-policy entropy, that keep
+  the PPO-clip loss (0.2 = the 20% highest-entropy tokens; TRL's ``top_entropy_quantile`` means the
+  same). ``actor.clip_ratio_low`` / ``clip_ratio_high`` / ``clip_ratio_c`` are verl ``vanilla``'s;
 * ``prepass_layout`` (only with the plugin's config classes,
-  :class:`KLCovGlobalPolicyLossConfig` / :class:`ClipCovGlobalPolicyLossConfig`): the
+  :class:`KLCovGlobalPolicyLossConfig` / :class:`ClipCovGlobalPolicyLossConfig` /
+  :class:`HighEntropyGlobalPolicyLossConfig`): the
   micro-batch layout of the no-grad prepass, ``"infer"`` (default: the engine's log-prob
   inference settings, so the mask cannot depend on the training micro-batch size even in bf16)
   or ``"train"`` (the training micro-batch settings, as verl PR #7830 does).
@@ -38,6 +43,7 @@ from .selection import (
     validate_clip_cov_seed,
     validate_clip_cov_window,
     validate_clip_ratio,
+    validate_entropy_top_ratio,
     validate_kl_cov_ratio,
 )
 from .selection.knobs import finite_number, setting
@@ -54,9 +60,14 @@ def unsupported_strategy_message(loss_mode: str, upstream: Optional[str], found:
     """The one wording of "the prepass does not cover this engine", for the driver and the engine alike.
 
     ``found`` says what was found (the config's strategy, or the engine's class and strategy);
-    ``upstream`` is verl's per-micro-batch counterpart of ``loss_mode`` (None if it has none).
+    ``upstream`` is the per-micro-batch counterpart of ``loss_mode`` (None if it has none); it is
+    suggested only when registered in verl's ``POLICY_LOSS_REGISTRY`` in this process (a lab-only
+    comparator such as ``high_entropy_per_micro_batch`` is not a loss users can select).
     """
-    other = f"use loss_mode={upstream} (per-micro-batch selection)" if upstream else "use another loss mode"
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    registered = upstream is not None and upstream in POLICY_LOSS_REGISTRY
+    other = f"use loss_mode={upstream} (per-micro-batch selection)" if registered else "use another loss mode"
     return (f"loss_mode={loss_mode} supports verl's FSDP engine only (actor strategy {SUPPORTED_STRATEGIES}); "
             f"{found}. Set actor_rollout_ref.actor.strategy=fsdp2 (or fsdp), or {other}.")
 
@@ -67,6 +78,10 @@ _DEFAULT_COEF = 1.0
 _DEFAULT_CLIP_COV_RATIO = 0.0002
 _DEFAULT_CLIP_COV_LB = 1.0
 _DEFAULT_CLIP_COV_UB = 5.0
+#: The paper's rho (Wang et al. 2025, arXiv:2506.01939; their fork's ``entropy_top_ratio=0.2``).
+DEFAULT_ENTROPY_TOP_RATIO = 0.2
+# verl vanilla's fallback for the dual-clip bound when the actor config has none (core_algos.py ~1323).
+_DEFAULT_CLIP_RATIO_C = 3.0
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,27 @@ class ClipCovGlobalSettings:
     clip_ratio_low: float
     clip_ratio_high: float
     prepass_layout: str
+
+
+@dataclass(frozen=True)
+class HighEntropyGlobalSettings:
+    """Validated knobs of one actor config for ``high_entropy_global``: the selection's ratio, verl
+    ``vanilla``'s clip range and dual-clip bound (read as vanilla reads them), the prepass layout."""
+
+    entropy_top_ratio: float
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    prepass_layout: str
+
+
+def validate_clip_ratio_c(value: Any) -> float:
+    """The dual-clip bound ``clip_ratio_c`` as float if finite and > 1 (verl ``vanilla`` asserts it), else ValueError."""
+    number = finite_number(value)
+    if number is None or number <= 1.0:
+        raise ValueError(f"clip_ratio_c must be finite and > 1 (the dual-clip lower bound of the ratio), got {value!r}; "
+                         + setting("clip_ratio_c", "3.0 (verl's default)", "actor_rollout_ref.actor."))
+    return number
 
 
 def validate_ppo_kl_coef(coef: Any) -> float:
@@ -167,6 +203,26 @@ def read_clip_cov_settings(actor_config: Any) -> ClipCovGlobalSettings:
     )
 
 
+def read_high_entropy_settings(actor_config: Any) -> HighEntropyGlobalSettings:
+    """Validated :class:`HighEntropyGlobalSettings` from an actor config (its ``policy_loss`` and PPO clip knobs).
+
+    ``entropy_top_ratio`` defaults to :data:`DEFAULT_ENTROPY_TOP_RATIO` (0.2); the clip range as verl
+    ``vanilla`` reads it (``clip_ratio_low`` / ``clip_ratio_high``, each falling back to ``clip_ratio``),
+    ``clip_ratio_c`` defaulting to 3.0 as in ``vanilla``.
+    """
+    policy_loss = _policy_loss_of(actor_config, "high_entropy_global")
+    clip_ratio = getattr(actor_config, "clip_ratio", None)
+    low, high = (_field(actor_config, key, clip_ratio) for key in ("clip_ratio_low", "clip_ratio_high"))
+    return HighEntropyGlobalSettings(
+        entropy_top_ratio=validate_entropy_top_ratio(
+            _field(policy_loss, "entropy_top_ratio", DEFAULT_ENTROPY_TOP_RATIO)),
+        clip_ratio_low=validate_clip_ratio(low, "clip_ratio_low"),
+        clip_ratio_high=validate_clip_ratio(high, "clip_ratio_high"),
+        clip_ratio_c=validate_clip_ratio_c(_field(actor_config, "clip_ratio_c", _DEFAULT_CLIP_RATIO_C)),
+        prepass_layout=validate_prepass_layout(_field(policy_loss, "prepass_layout", "infer")),
+    )
+
+
 def _require_loss_mode(config: PolicyLossConfig, expected: str) -> None:
     if config.loss_mode != expected:
         # verl's ppo_trainer.yaml sets loss_mode "vanilla": selecting a class through
@@ -220,4 +276,23 @@ class ClipCovGlobalPolicyLossConfig(PolicyLossConfig):
         validate_clip_cov_ratio(self.clip_cov_ratio)
         validate_clip_cov_window(self.clip_cov_lb, self.clip_cov_ub)
         validate_clip_cov_seed(self.clip_cov_seed)
+        validate_prepass_layout(self.prepass_layout)
+
+
+@dataclass
+class HighEntropyGlobalPolicyLossConfig(PolicyLossConfig):
+    """verl's ``PolicyLossConfig`` plus ``entropy_top_ratio`` and ``prepass_layout``, validated on construction.
+
+    Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_klcov_global.config.HighEntropyGlobalPolicyLossConfig``.
+    ``entropy_top_ratio`` is a fraction in (0, 1] (0.2: the 20% highest-entropy tokens keep the PPO-clip loss).
+    """
+
+    loss_mode: str = "high_entropy_global"
+    entropy_top_ratio: float = DEFAULT_ENTROPY_TOP_RATIO
+    prepass_layout: str = "infer"
+
+    def __post_init__(self):
+        _parent_post_init(self, HighEntropyGlobalPolicyLossConfig)
+        _require_loss_mode(self, HighEntropyGlobalPolicyLossConfig.loss_mode)
+        validate_entropy_top_ratio(self.entropy_top_ratio)
         validate_prepass_layout(self.prepass_layout)

@@ -18,7 +18,13 @@ trainer config combines them with the rest of verl's config (verl 0.9.1 read for
   ``ppo_epochs=1``, old log-probs recomputed by the actor, not the rollout's): the penalty
   ``ppo_kl_coef * |log pi - log pi_old|`` is 0 up to float noise.
 * ``ratio-units`` (warning): the mode's ``ModeSpec.ratio_knob`` (``kl_cov_ratio`` / ``clip_cov_ratio``)
-  >= :data:`RATIO_WARNING`, with the mode's ``paper_ratios``.
+  >= the mode's ``ModeSpec.ratio_warning`` (:data:`RATIO_WARNING` = 0.05 for KL-Cov and Clip-Cov; none for
+  ``high_entropy_global``, whose paper value is 0.2), with the mode's ``paper_ratios``.
+* ``ratio-is-percentage`` (error): ``ratio_knob`` > 1, e.g. ``entropy_top_ratio=20`` meant as 20%. The knob
+  readers (:mod:`.config`) refuse it too; this finding says what the number means.
+* ``ratio-keeps-all`` (warning): ``ratio_knob`` = 1 for a mode with ``ModeSpec.ratio_one_is_vanilla``
+  (``high_entropy_global``): every valid token keeps the loss, so the update is verl's ``vanilla`` plus a
+  prepass.
 
 Which mode gets which finding is read from the table of modes (:mod:`.modes`), never from a mode's name.
 
@@ -41,8 +47,8 @@ PREFIX = "verl-klcov-global"
 ACTOR = "actor_rollout_ref.actor"
 POLICY_LOSS = f"{ACTOR}.policy_loss"
 ROLLOUT_CORRECTION = "algorithm.rollout_correction"
-#: A ratio at or above this is far more than any published value: most likely a percentage or
-#: another framework's unit carried over.
+#: For KL-Cov and Clip-Cov (``ModeSpec.ratio_warning``'s default), a ratio at or above this is far more than
+#: any published value: most likely a percentage or another framework's unit carried over.
 RATIO_WARNING = 0.05
 _DEFAULT_RATIO = 0.0002  # verl's kl_cov / clip_cov fallback for an unset ratio
 
@@ -174,17 +180,52 @@ def _on_policy_findings(config: Any, spec: ModeSpec) -> list[Finding]:
         f"{ROLLOUT_CORRECTION}.bypass_mode=True (old log-probs from the rollout). The run goes on")]
 
 
-def _ratio_findings(config: Any, spec: ModeSpec) -> list[Finding]:
-    knob = spec.ratio_knob
-    if knob is None or not spec.paper_ratios:
-        return []
-    value = finite_number(_get(config, f"{POLICY_LOSS}.{knob}", _DEFAULT_RATIO))
-    if value is None or value < RATIO_WARNING:
-        return []
+def _ratio_value(config: Any, spec: ModeSpec) -> Optional[float]:
+    if spec.ratio_knob is None:
+        return None
+    return finite_number(_get(config, f"{POLICY_LOSS}.{spec.ratio_knob}", _DEFAULT_RATIO))
+
+
+def _paper_text(spec: ModeSpec) -> str:
     by_ratio: dict[float, list[str]] = {}
     for size, ratio in spec.paper_ratios:
         by_ratio.setdefault(ratio, []).append(size)
-    paper_text = ", ".join(f"{ratio:g} ({ratio:.2%}) at {' and '.join(sizes)}" for ratio, sizes in by_ratio.items())
+    return ", ".join(f"{ratio:g} ({ratio:.2%}) at {' and '.join(sizes)}" for ratio, sizes in by_ratio.items())
+
+
+def _percentage_findings(config: Any, spec: ModeSpec) -> list[Finding]:
+    knob, value = spec.ratio_knob, _ratio_value(config, spec)
+    if value is None or value <= 1.0:
+        return []
+    paper = f"; the paper uses {_paper_text(spec)}" if spec.paper_ratios else ""
+    return [Finding(
+        ERROR, "ratio-is-percentage", f"{POLICY_LOSS}.{knob}",
+        f"{knob}={value:g} is more than 1, but {knob} is a fraction of each optimizer minibatch's valid response "
+        f"tokens in (0, 1] (0.2 selects 20% of them), not a percentage{paper}",
+        f"If you meant {value:g}% set {POLICY_LOSS}.{knob}={value / 100:g}")]
+
+
+def _keeps_all_findings(config: Any, spec: ModeSpec) -> list[Finding]:
+    knob, value = spec.ratio_knob, _ratio_value(config, spec)
+    if not spec.ratio_one_is_vanilla or value != 1.0:
+        return []
+    return [Finding(
+        WARNING, "ratio-keeps-all", f"{POLICY_LOSS}.{knob}",
+        f"{knob}=1 selects every valid token: loss_mode={spec.name} then updates exactly as verl's vanilla loss, "
+        f"plus a prepass per optimizer step that changes nothing",
+        f"Set {POLICY_LOSS}.{knob} below 1"
+        + (f" (the paper's value is {spec.paper_ratios[0][1]:g})" if spec.paper_ratios else "")
+        + ", or use loss_mode=vanilla. The run goes on")]
+
+
+def _ratio_findings(config: Any, spec: ModeSpec) -> list[Finding]:
+    knob = spec.ratio_knob
+    if knob is None or not spec.paper_ratios or spec.ratio_warning is None:
+        return []
+    value = _ratio_value(config, spec)
+    if value is None or value < spec.ratio_warning or value > 1.0:
+        return []
+    paper_text = _paper_text(spec)
     first_size, first_ratio = spec.paper_ratios[0]
     times = value / first_ratio
     return [Finding(
@@ -205,7 +246,8 @@ def findings(config: Any) -> list[Finding]:
     mode = global_mode_of(actor) if actor is not None else None
     if mode is None:
         return []
-    found = _bypass_findings(config, mode) + _on_policy_findings(config, mode) + _ratio_findings(config, mode)
+    found = (_bypass_findings(config, mode) + _on_policy_findings(config, mode) + _percentage_findings(config, mode)
+             + _ratio_findings(config, mode) + _keeps_all_findings(config, mode))
     return sorted(found, key=lambda f: f.severity != ERROR)
 
 

@@ -63,20 +63,24 @@ class MinibatchFields:
     ``response_mask``, ``log_probs`` (the prepass's current-policy log-probs) and every
     ``response[key]`` are (batch, response_len) on the log-probs' device; ``sequence[key]`` is
     ``(ids, real)`` of :func:`sequence_token_ids` (left where the batch lives: a selection moves
-    what it needs).
+    what it needs). ``entropy``: the prepass's current-policy entropy, (batch, response_len) like
+    ``log_probs``, for a mode whose prepass computes it (``ModeSpec.prepass_reads_entropy``), else None.
     """
 
     response_mask: torch.Tensor
     log_probs: torch.Tensor
     response: dict[str, torch.Tensor]
     sequence: dict[str, tuple[torch.Tensor, Optional[torch.Tensor]]]
+    entropy: Optional[torch.Tensor] = None
 
 
 def read_fields(log_probs: torch.Tensor, data: TensorDict, response_fields: tuple[str, ...] = (),
-                sequence_fields: tuple[str, ...] = (), *, reader: str = "the selection") -> MinibatchFields:
+                sequence_fields: tuple[str, ...] = (), *, reader: str = "the selection",
+                entropy: Optional[torch.Tensor] = None) -> MinibatchFields:
     """The dense :class:`MinibatchFields` of ``data`` for a selection that reads the given fields.
 
-    ``log_probs`` (batch, width) is cut or padded to the width of ``response_mask``. A field
+    ``log_probs`` (batch, width) and ``entropy`` (the same, or None) are cut or padded to the width
+    of ``response_mask``. A field
     the minibatch lacks raises ``KeyError`` naming ``reader`` (e.g. the loss mode) and the keys present.
     """
     missing = [key for key in ("response_mask", *response_fields, *sequence_fields) if key not in data.keys()]
@@ -92,6 +96,7 @@ def read_fields(log_probs: torch.Tensor, data: TensorDict, response_fields: tupl
         log_probs=fit_width(log_probs, response_mask.shape[1]),
         response={key: padded(data[key]).to(log_probs.device) for key in response_fields},
         sequence={key: sequence_token_ids(data, key) for key in sequence_fields},
+        entropy=None if entropy is None else fit_width(entropy, response_mask.shape[1]),
     )
 
 

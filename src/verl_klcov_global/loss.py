@@ -10,8 +10,8 @@ micro-batch's loss call runs inside ``provide_selection_mask(<that micro-batch's
 
 :func:`global_policy_loss` turns one mode of the table (:mod:`verl_klcov_global.modes`)
 into the function verl registers: read the mode's settings, take the mask from the channel,
-apply the mode's objective (:func:`kl_cov_objective`, :func:`clip_cov_objective`: verl's
-own per-token formulas on a given mask), weight and aggregate as verl does. Outside a
+apply the mode's objective (:func:`kl_cov_objective`, :func:`clip_cov_objective`,
+:func:`high_entropy_objective`: verl's own per-token formulas on a given mask), weight and aggregate as verl does. Outside a
 ``provide_selection_mask`` block the loss raises the mode's
 :class:`SelectionMaskUnavailableError`: there is never a silent fallback to per-micro-batch
 selection.
@@ -34,10 +34,12 @@ __all__ = [
     "SelectionMaskUnavailableError",
     "KLCovMaskUnavailableError",
     "ClipCovMaskUnavailableError",
+    "HighEntropyMaskUnavailableError",
     "provide_selection_mask",
     "global_policy_loss",
     "kl_cov_objective",
     "clip_cov_objective",
+    "high_entropy_objective",
 ]
 
 
@@ -57,6 +59,10 @@ class ClipCovMaskUnavailableError(SelectionMaskUnavailableError):
 class _ProvidedMask:
     mask: torch.Tensor
     figures: dict[str, float] = field(default_factory=dict)
+
+
+class HighEntropyMaskUnavailableError(SelectionMaskUnavailableError):
+    """The ``high_entropy_global`` loss was called without a precomputed selection mask."""
 
 
 _CURRENT_MASK: contextvars.ContextVar[Optional[_ProvidedMask]] = contextvars.ContextVar(
@@ -200,3 +206,36 @@ def clip_cov_objective(old_log_prob, log_prob, advantages, response_mask, mask, 
     pg_clipfrac = verl_F.masked_mean((corr == 0).float(), response_mask)
     pg_losses = torch.maximum(pg_losses1, pg_losses2) * corr
     return pg_losses, {"actor/pg_clipfrac": pg_clipfrac.detach().item(), "actor/ppo_kl": ppo_kl.detach().item()}
+
+
+def high_entropy_objective(old_log_prob, log_prob, advantages, response_mask, mask, settings):
+    """verl's ``vanilla`` PPO-clip per-token loss (verl 0.9.1 core_algos.py ~1286) on ``where(mask, A, 0)``.
+
+    The paper's objective (Wang et al. 2025, arXiv:2506.01939, J_HighEnt): the clipped surrogate
+    of every token times the indicator ``H_t >= tau`` (here: ``mask``, the top ``entropy_top_ratio``
+    over the minibatch), normalised by all tokens. Per token, with ``r = exp(clamp(logp - old_logp, -20, 20))``
+    and ``A' = A`` where ``mask`` is set, else ``0``:
+    ``l1 = max(-A' r, -A' clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``; where ``A' < 0``,
+    ``min(l1, -A' clip_ratio_c)`` (dual clip), else ``l1``. An unselected token has ``A' = 0``, so its
+    loss and its gradient are exactly 0 (also when its advantage is not finite), while it still counts
+    in the aggregation's denominators: :func:`global_policy_loss` multiplies by ``rollout_is_weights``
+    and aggregates with verl's ``agg_loss`` over the whole ``response_mask``, as ``vanilla`` does; for
+    ``token-mean`` that is the paper's ``1 / sum_i |o_i|``. Metrics ``actor/pg_clipfrac``,
+    ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``: ``vanilla``'s, on ``A'``.
+    """
+    masked_advantages = torch.where(mask, advantages, advantages.new_zeros(()))
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = verl_F.masked_mean(-negative_approx_kl, response_mask)
+    pg_losses1 = -masked_advantages * ratio
+    pg_losses2 = -masked_advantages * torch.clamp(ratio, 1 - settings.clip_ratio_low, 1 + settings.clip_ratio_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = verl_F.masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
+    pg_losses3 = -masked_advantages * settings.clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_clipfrac_lower = verl_F.masked_mean(
+        torch.gt(clip_pg_losses1, pg_losses3) * (masked_advantages < 0).float(), response_mask
+    )
+    pg_losses = torch.where(masked_advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    return pg_losses, {"actor/pg_clipfrac": pg_clipfrac.detach().item(), "actor/ppo_kl": ppo_kl.detach().item(),
+                       "actor/pg_clipfrac_lower": pg_clipfrac_lower.detach().item()}

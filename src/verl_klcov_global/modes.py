@@ -8,7 +8,8 @@ per-token objective, the config class, the error raised without a mask. Registra
 none names a mode itself. Adding a mode = one selection function + one :func:`register_mode`
 call (``docs/ADDING_A_MODE.md``).
 
-The prepass is the same for every mode: one no-grad forward of the optimizer minibatch, then
+The prepass is the same for every mode: one no-grad forward of the optimizer minibatch (log-probs,
+and the entropy too for a mode whose row sets ``prepass_reads_entropy``), then
 ``mode.select(fields, settings, group)`` on the :class:`~.layout.MinibatchFields` that
 :meth:`ModeSpec.read_minibatch` reads, then the mask travels to the micro-batches.
 """
@@ -25,28 +26,33 @@ from tensordict import TensorDict
 
 from .config import (
     ClipCovGlobalPolicyLossConfig,
+    HighEntropyGlobalPolicyLossConfig,
     KLCovGlobalPolicyLossConfig,
     loss_mode_of,
     read_clip_cov_settings,
+    read_high_entropy_settings,
     read_kl_cov_settings,
 )
 from .layout import MinibatchFields, read_fields
 from .loss import (
     ClipCovMaskUnavailableError,
+    HighEntropyMaskUnavailableError,
     KLCovMaskUnavailableError,
     Objective,
     SelectionMaskUnavailableError,
     clip_cov_objective,
     global_policy_loss,
+    high_entropy_objective,
     kl_cov_objective,
 )
-from .selection import kl_cov_quota, select_clip_cov_tokens, select_kl_cov_tokens
+from .selection import kl_cov_quota, select_clip_cov_tokens, select_high_entropy_tokens, select_kl_cov_tokens
 
-__all__ = ["CLIP_COV", "KL_COV", "MODES", "ModeSpec", "Selection", "global_mode_of", "register_mode"]
+__all__ = ["CLIP_COV", "HIGH_ENTROPY", "KL_COV", "MODES", "ModeSpec", "Selection", "global_mode_of", "register_mode"]
 
 
 class Selection(Protocol):
-    """What the engine needs of a selection result (``KLCovSelection``, ``ClipCovSelection``, ...)."""
+    """What the engine needs of a selection result (``KLCovSelection``, ``ClipCovSelection``,
+    ``HighEntropySelection``, ...)."""
 
     mask: torch.Tensor  # (batch, response_len) bool, this rank's minibatch in its original order
     quota: int
@@ -63,14 +69,20 @@ SelectFn = Callable[[MinibatchFields, Any, Optional[dist.ProcessGroup]], Selecti
 class ModeSpec:
     """One global loss mode.
 
-    * ``name``: the ``policy_loss.loss_mode`` value; ``upstream``: verl's per-micro-batch
-      counterpart (what ``diagnose`` compares with; None if verl has none);
+    * ``name``: the ``policy_loss.loss_mode`` value; ``upstream``: its per-micro-batch counterpart
+      (what ``diagnose`` compares with): verl's own loss (``kl_cov``), or a comparator the lab
+      registers in-process (``high_entropy_per_micro_batch``: never by the plugin, so errors suggest
+      it to users only when it is in verl's registry); None if there is none;
     * ``metric_prefix``: every metric of the mode is ``<metric_prefix><name>``;
     * ``knobs``: the ``policy_loss`` keys the mode reads (``plugin_knobs``: those only its
       ``config_class`` has, not verl's ``PolicyLossConfig``); ``read_settings(actor_config)``
       validates them and returns the settings (with ``prepass_layout``), raising ``ValueError``
       that names the key to change;
     * ``response_fields`` / ``sequence_fields``: the minibatch fields ``select`` reads;
+      ``prepass_reads_entropy``: the prepass also computes the current-policy entropy (verl's own
+      ``infer_batch`` with ``calculate_entropy=True``, so ``entropy_from_logits_with_chunking`` /
+      ``entropy_checkpointing`` apply) and hands it to ``select`` as ``fields.entropy``; the prepass
+      of every other mode computes log-probs only;
     * ``select``: the selection; ``objective``: the per-token loss on its mask (:mod:`.loss`);
     * ``config_class``: the dataclass users select with ``policy_loss._target_`` (its
       ``loss_mode`` default is ``name``), or None;
@@ -84,7 +96,12 @@ class ModeSpec:
     * ``ratio_knob``: the knob that is the fraction of tokens selected, with ``paper_ratios`` (model size ->
       the paper's value, a fraction), read by :mod:`.guardrails` (unit warning); ``penalises_log_ratio``:
       the mode's effect is a penalty on ``log pi - log pi_old``, which is 0 when every update is on-policy
-      (:mod:`.guardrails` warns).
+      (:mod:`.guardrails` warns);
+    * ``ratio_warning``: :mod:`.guardrails` warns that ``ratio_knob`` may be in the wrong units at or above
+      this value (0.05: far above KL-Cov's and Clip-Cov's published values); None: no such warning (a mode
+      whose published value is itself large, e.g. ``high_entropy_global``'s 0.2);
+      ``ratio_one_is_vanilla``: ``ratio_knob = 1`` selects every valid token and the mode's objective is
+      then verl's ``vanilla`` (:mod:`.guardrails` warns: the prepass buys nothing).
     """
 
     name: str
@@ -105,6 +122,9 @@ class ModeSpec:
     ratio_knob: Optional[str] = None
     paper_ratios: tuple[tuple[str, float], ...] = ()
     penalises_log_ratio: bool = False
+    ratio_warning: Optional[float] = 0.05
+    ratio_one_is_vanilla: bool = False
+    prepass_reads_entropy: bool = False
 
     def __repr__(self) -> str:
         return f"ModeSpec({self.name!r})"
@@ -118,14 +138,20 @@ class ModeSpec:
         """The function registered in verl's ``POLICY_LOSS_REGISTRY`` under ``name`` (:func:`.loss.global_policy_loss`)."""
         return global_policy_loss(self)
 
-    def read_minibatch(self, log_probs: torch.Tensor, data: TensorDict) -> MinibatchFields:
-        """The fields this mode's selection reads from ``data``, dense, next to the (batch, width) ``log_probs``."""
-        return read_fields(log_probs, data, self.response_fields, self.sequence_fields, reader=self.name)
+    def read_minibatch(self, log_probs: torch.Tensor, data: TensorDict,
+                       entropy: Optional[torch.Tensor] = None) -> MinibatchFields:
+        """The fields this mode's selection reads from ``data``, dense, next to the (batch, width) ``log_probs``
+        (and ``entropy``, which a mode with ``prepass_reads_entropy`` needs)."""
+        if self.prepass_reads_entropy and entropy is None:
+            raise ValueError(f"{self.name} selects on the current-policy entropy (prepass_reads_entropy): pass the "
+                             "prepass's (batch, width) entropy")
+        return read_fields(log_probs, data, self.response_fields, self.sequence_fields, reader=self.name,
+                           entropy=entropy if self.prepass_reads_entropy else None)
 
     def select_minibatch(self, log_probs: torch.Tensor, data: TensorDict, settings: Any,
-                         group: Optional[dist.ProcessGroup]) -> Selection:
+                         group: Optional[dist.ProcessGroup], entropy: Optional[torch.Tensor] = None) -> Selection:
         """:meth:`read_minibatch`, then :attr:`select`: the whole selection of one optimizer step."""
-        return self.select(self.read_minibatch(log_probs, data), settings, group)
+        return self.select(self.read_minibatch(log_probs, data, entropy), settings, group)
 
 
 #: Every global loss mode, by name (insertion order: the order ``diagnose`` runs them).
@@ -172,6 +198,10 @@ def _select_clip_cov(fields: MinibatchFields, settings, group) -> Selection:
     )
 
 
+def _select_high_entropy(fields: MinibatchFields, settings, group) -> Selection:
+    return select_high_entropy_tokens(fields.entropy, fields.response_mask, settings.entropy_top_ratio, group=group)
+
+
 def _count_kl_cov(num_valid: int, policy_loss, metrics: dict) -> int:
     return kl_cov_quota(num_valid, policy_loss.kl_cov_ratio)  # upstream selects exactly its quota
 
@@ -199,4 +229,15 @@ CLIP_COV = register_mode(ModeSpec(
     objective=clip_cov_objective, no_mask_error=ClipCovMaskUnavailableError,
     config_class=ClipCovGlobalPolicyLossConfig, count_upstream_selected=_count_clip_cov, draws_at_random=True,
     ratio_knob="clip_cov_ratio", paper_ratios=(("7B", 0.0002), ("32B", 0.0002)),
+))
+HIGH_ENTROPY = register_mode(ModeSpec(
+    name="high_entropy_global", upstream="high_entropy_per_micro_batch", metric_prefix="actor/high_entropy/",
+    knobs=("entropy_top_ratio", "prepass_layout"), plugin_knobs=("entropy_top_ratio", "prepass_layout"),
+    read_settings=read_high_entropy_settings, response_fields=(), select=_select_high_entropy,
+    objective=high_entropy_objective, no_mask_error=HighEntropyMaskUnavailableError,
+    config_class=HighEntropyGlobalPolicyLossConfig, prepass_reads_entropy=True,
+    # Wang et al. 2025 (arXiv:2506.01939): rho = 0.2 for Qwen3-14B and -32B (their fork's entropy_top_ratio=0.2)
+    ratio_knob="entropy_top_ratio", paper_ratios=(("14B", 0.2), ("32B", 0.2)),
+    # 0.2 is the paper's value, so no units warning; rho = 1 keeps every token: vanilla plus a prepass
+    ratio_warning=None, ratio_one_is_vanilla=True,
 ))

@@ -1,7 +1,8 @@
 """Learning runs on verl's trainer loop with policy-sampled rollouts (``experiments.learning``), shortened.
 
 The slow test trains the 64-id tiny Qwen2 from scratch for :data:`STEPS` GRPO steps with
-``vanilla``, upstream ``kl_cov``, ``kl_cov_global`` and ``clip_cov_global`` at micro-batch sizes 1
+``vanilla``, upstream ``kl_cov``, ``kl_cov_global``, ``clip_cov_global`` and ``high_entropy_global`` at
+micro-batch sizes 1
 and 4 -- the figure's run shortened (:data:`TEST_BASE`: 4 prompts x 8 responses of 8 tokens per
 step, 2 minibatches x 2 PPO epochs, SGD lr 0.1 instead of 0.03 so that 6 steps show learning) --
 and asserts:
@@ -37,7 +38,7 @@ from experiments.policy_rollout import PolicySampler, grpo_advantages, request_s
 
 STEPS = 6
 TEST_BASE = replace(FIGURE_BASE, steps=STEPS, prompts_per_step=4, mini_batch_prompts=2, lr=0.1)
-MODES = ("vanilla", "kl_cov", "kl_cov_global", "clip_cov_global")
+MODES = ("vanilla", "kl_cov", "kl_cov_global", "clip_cov_global", "high_entropy_global")
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,7 @@ def test_vanilla_learns_and_its_entropy_falls(report):
 def test_global_modes_stay_on_vanillas_floor_and_upstream_kl_cov_splits(report):
     pairs = report["pairs"]
     assert pairs["vanilla"]["same_rollouts"], pairs["vanilla"]
-    for mode in ("kl_cov_global", "clip_cov_global"):
+    for mode in ("kl_cov_global", "clip_cov_global", "high_entropy_global"):
         pair = pairs[mode]
         assert pair["counts_identical"] is True, (mode, pair)
         assert pair["same_rollouts"], (mode, pair)
@@ -121,6 +122,10 @@ def test_global_modes_stay_on_vanillas_floor_and_upstream_kl_cov_splits(report):
         assert min(kl["selected"]) >= 1 and all(0.0 < s <= 1.0 for s in kl["selected_cov_share"])
         assert all(m > c for m, c in zip(kl["selected_cov_mean"], kl["cov_mean"]))  # the top of the covariance
         assert min(report["curves"][f"clip_cov_global/mbs{mbs}"]["clipped"]) > 0
+        # int(0.2 N) of each minibatch's N tokens (logged: means over the step's optimizer steps)
+        high = report["curves"][f"high_entropy_global/mbs{mbs}"]
+        assert all(0 < s and abs(s - 0.2 * v) < 1 for s, v in zip(high["selected"], high["valid_tokens"]))
+        assert all(m >= t for m, t in zip(high["selected_entropy_mean"], high["entropy_threshold"]))
 
 
 def test_picture_and_report_render_from_the_documented_json(tmp_path):
@@ -133,3 +138,24 @@ def test_picture_and_report_render_from_the_documented_json(tmp_path):
     png = tmp_path / "learning.png"
     assert main(["--from-json", os.path.join(root, "docs", "learning_cpu.json"), "--png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 50_000
+
+
+@pytest.mark.parametrize("mode, config_class, entropy_in_training", [
+    ("high_entropy_global", "HighEntropyGlobalPolicyLossConfig", False),
+    ("high_entropy_per_micro_batch", "HighEntropyPerMicroBatchPolicyLossConfig", True),
+])
+def test_the_high_entropy_rows_are_configured(tmp_path, mode, config_class, entropy_in_training):
+    """The figure runs high_entropy_global and the authors' per-micro-batch rule at micro-batch sizes 1 and 4
+    (the default --modes), each with its config class, rho 0.2, and the training forward's entropy for the rule."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from experiments.learning import BASE, MICRO_BATCH_SIZES
+    from experiments.local_trainer import LOSS_MODES, compose_config, trainer_overrides
+
+    assert mode in LOSS_MODES and MICRO_BATCH_SIZES == (1, 4) and BASE.entropy_top_ratio == 0.2
+    run = replace(BASE, loss_mode=mode, micro_batch_size=1)
+    config = compose_config(trainer_overrides(run, model_path="/m", train_file="/t.parquet", out_dir=str(tmp_path)))
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    assert type(actor.policy_loss).__name__ == config_class and actor.policy_loss.loss_mode == mode
+    assert actor.policy_loss.entropy_top_ratio == 0.2 and actor.ppo_micro_batch_size_per_gpu == 1
+    assert bool(actor.calculate_entropy) is entropy_in_training

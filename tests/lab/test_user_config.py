@@ -228,3 +228,13 @@ def test_ulysses_folds_into_the_data_parallel_shard_and_its_budget(monkeypatch):
     assert plan.scaling["data_parallel_size"] == 4 and plan.scaling["full"]["sequences"] == 64
     assert plan.scaling["micro_batches"] == 2 and plan.options.micro_batches == 2
     assert any("Ulysses sequence parallelism 2" in note for note in plan.notes)
+
+
+def test_high_entropy_global_config_plans_its_ratio_and_the_authors_rule_as_upstream(monkeypatch):
+    """--config-name=high_entropy_global: rho from the config (or an override); the comparator is its upstream."""
+    monkeypatch.chdir(REPO)
+    plan = plan_for(None, "high_entropy_global", ["actor_rollout_ref.actor.policy_loss.entropy_top_ratio=0.1"],
+                    device="cpu")
+    assert plan.options.loss_mode == "high_entropy_global" and plan.options.entropy_top_ratio == 0.1
+    assert by_name(plan)["entropy_top_ratio"].value == 0.1
+    assert plan_for(None, "high_entropy_global", [], device="cpu").options.entropy_top_ratio == 0.2

@@ -15,7 +15,11 @@ A child writes, as they happen:
 * ``blocked``: with ``--block-after-optimizer-steps N``, after its N-th optimizer step (a global
   ``torch.optim`` step hook) the child writes this marker and waits forever inside that step,
   so whoever kills it knows by construction which step it is in;
-* ``result.pt`` when the run ends: the per-weight-version parameters and the metrics.
+* ``result.pt`` when the run ends: the per-weight-version parameters and the metrics;
+* with ``--tracking DIR``: every step's metrics also go through a real ``verl.utils.tracking.Tracking``
+  with the ``console`` and ``tensorboard`` backends (the logger ``fit`` would use with
+  ``trainer.logger=[console,tensorboard]``; ``TENSORBOARD_DIR=DIR``): the console lines land in
+  ``log.txt``, the event file in ``DIR``.
 """
 
 from __future__ import annotations
@@ -56,6 +60,15 @@ def _child(args) -> None:
             os.fsync(f.fileno())
 
     local_trainer.MetricsRecorder.log = log_and_persist
+    tracking = _real_tracking(args.tracking) if args.tracking else None
+    if tracking is not None:
+        persist = local_trainer.MetricsRecorder.log
+
+        def log_persist_and_track(self, data, step):
+            persist(self, data, step)
+            tracking.log(data=data, step=step)
+
+        local_trainer.MetricsRecorder.log = log_persist_and_track
 
     if args.block_after_optimizer_steps:
         count = [0]
@@ -78,19 +91,31 @@ def _child(args) -> None:
     torch.set_num_threads(1)
     result = local_trainer.run_trainer(run, model_path=args.model, work_dir=args.work_dir,
                                        extra_overrides=overrides(args.resume_mode))
+    if tracking is not None:
+        tracking.finish()  # closes the event file
     torch.save({"params": result.params, "metrics": result.metrics, "rollout_digest": result.rollout_digest},
                os.path.join(args.out, RESULT_FILE))
 
 
+def _real_tracking(directory: str):
+    """verl's own Tracking with the console and tensorboard backends (made before local_trainer swaps the class)."""
+    from verl.utils.tracking import Tracking
+
+    os.environ["TENSORBOARD_DIR"] = directory
+    return Tracking(project_name="restart", experiment_name="whole", default_backend=["console", "tensorboard"])
+
+
 def start(*, model: str, work_dir: str, out: str, steps: int, loss_mode: str, resume_mode: str,
           optimizer: str = "AdamW", lr: float = 1e-3, block_after_optimizer_steps: int = 0, cwd: str,
-          env: Optional[dict] = None) -> subprocess.Popen:
-    """Start one child run in its own process group (session); stdout+stderr go to ``out/log.txt``."""
+          env: Optional[dict] = None, tracking: str = "") -> subprocess.Popen:
+    """Start one child run in its own process group (session); stdout+stderr go to ``out/log.txt``.
+
+    ``tracking``: a directory for the tensorboard event file of verl's real console+tensorboard logger."""
     os.makedirs(out, exist_ok=True)
     argv = [sys.executable, "-m", "tests.trainer_support.restart", "--model", model, "--work-dir", work_dir,
             "--out", out, "--steps", str(steps), "--loss-mode", loss_mode, "--resume-mode", resume_mode,
             "--optimizer", optimizer, "--lr", repr(lr),
-            "--block-after-optimizer-steps", str(block_after_optimizer_steps)]
+            "--block-after-optimizer-steps", str(block_after_optimizer_steps), "--tracking", tracking]
     log = open(os.path.join(out, "log.txt"), "w")
     return subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -140,6 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--optimizer", default="AdamW")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--block-after-optimizer-steps", type=int, default=0)
+    parser.add_argument("--tracking", default="")
     _child(parser.parse_args(argv))
 
 

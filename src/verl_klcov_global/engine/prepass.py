@@ -6,6 +6,10 @@ loss mode alike (the mode only chooses the selection, :mod:`verl_klcov_global.mo
 1. :func:`compute_prepass_log_probs`: eval mode, no grad, only log-probs (no entropy, no
    distillation), micro-batched by :func:`prepass_forward_batches`, PATCH
    ``prepass_batched_logsumexp`` active (:mod:`.logprobs`), RNG states and module mode restored;
+   for a mode whose row sets ``prepass_reads_entropy`` (``high_entropy_global``),
+   :func:`compute_prepass_log_probs_and_entropy` instead: the same forward with verl's
+   ``calculate_entropy=True`` and the patch off, i.e. exactly the code and micro-batches of verl's
+   ``compute_log_prob`` (``infer`` layout), so its entropy is ``compute_log_prob``'s bit for bit;
 2. ``mode.select_minibatch``: the selection over the minibatch and the data-parallel group.
 
 Micro-batching of the prepass (``prepass_layout``):
@@ -23,6 +27,11 @@ Peak memory (the prepass must not exceed max(verl's compute_log_prob on the same
 minibatch, the training step)). The prepass runs inside verl's train-mode context, where an
 offloaded optimizer's states are already on the device; ``compute_log_prob`` runs without
 them. So:
+
+With entropy (``prepass_reads_entropy``) the forward is ``compute_log_prob``'s with
+``calculate_entropy=True`` (what verl's trainer runs for the old log-probs): the same entropy
+temporaries, verl's own log-prob loop (the in-place patch off), so the bound below holds against
+``compute_log_prob`` with entropy on the same minibatch.
 
 * ``optimizer_offload=False``: the states are on the device during ``compute_log_prob`` too;
   the prepass holds the same parameters and states, no gradients (the step frees them first),
@@ -45,7 +54,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,6 +69,7 @@ from .logprobs import batched_logsumexp
 
 __all__ = [
     "PREPASS_RECORD_NAME", "SELECTION_RECORD_NAME", "PrepassResult", "compute_prepass_log_probs",
+    "compute_prepass_log_probs_and_entropy",
     "optimizer_states_off_device", "prepass_forward_batches", "preserved_rng_states", "run_prepass_and_select",
     "static_prepass_chunk_sizes",
 ]
@@ -89,15 +99,20 @@ class PrepassResult:
 
 
 def run_prepass_and_select(engine: BaseEngine, data: TensorDict, settings: Any, mode: ModeSpec) -> PrepassResult:
-    """No-grad log-probs of the whole minibatch, then ``mode``'s one selection over it and the DP group."""
+    """No-grad log-probs (and entropy when ``mode.prepass_reads_entropy``) of the whole minibatch, then
+    ``mode``'s one selection over it and the DP group."""
     started = time.perf_counter()
+    entropy = None
     with torch.profiler.record_function(PREPASS_RECORD_NAME):
         with optimizer_states_off_device(engine, settings.prepass_layout) as offloaded:
-            log_probs = compute_prepass_log_probs(engine, data, settings.prepass_layout)
+            if mode.prepass_reads_entropy:  # a field of the mode's row, not its name
+                log_probs, entropy = compute_prepass_log_probs_and_entropy(engine, data, settings.prepass_layout)
+            else:
+                log_probs = compute_prepass_log_probs(engine, data, settings.prepass_layout)
     selected_at = time.perf_counter()
     group = engine.get_data_parallel_group() if dist.is_available() and dist.is_initialized() else None
     with torch.profiler.record_function(SELECTION_RECORD_NAME):
-        selection = mode.select_minibatch(log_probs, data, settings, group)
+        selection = mode.select_minibatch(log_probs, data, settings, group, entropy)
     finished = time.perf_counter()
     return PrepassResult(
         selection=selection, prepass_seconds=selected_at - started, selection_seconds=finished - selected_at,
@@ -227,12 +242,39 @@ def compute_prepass_log_probs(engine: BaseEngine, data: TensorDict, layout: str)
     mode and the CPU/device RNG states are restored afterwards, so the training step that
     follows is unchanged. (verl's kl_cov scores tokens with the training forward's train-mode
     log-probs; the two differ only for models with active dropout or router noise.)
-    Mode-agnostic: it knows nothing of the loss or the selection.
+    PATCH ``prepass_batched_logsumexp`` is active. Mode-agnostic: it knows nothing of the loss or
+    the selection.
     """
+    return _prepass_forward(engine, data, layout, calculate_entropy=False)[0]
+
+
+def compute_prepass_log_probs_and_entropy(engine: BaseEngine, data: TensorDict,
+                                          layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Current-policy log-probs and entropy of every response token of ``data``, each (batch, max_response_len).
+
+    The forward of :func:`compute_prepass_log_probs` (same micro-batches, eval mode, no grad, RNG
+    and module mode restored) with verl's ``calculate_entropy=True``: the entropy is computed by the
+    engine's own code (``entropy_from_logits``, or ``entropy_from_logits_with_chunking`` /
+    ``entropy_checkpointing`` / ``use_torch_compile`` / fused kernels as configured), so it is
+    bit-identical to the entropy verl's ``compute_log_prob`` returns for the same rows in the same
+    micro-batches (the ``infer`` layout is ``compute_log_prob``'s). PATCH
+    ``prepass_batched_logsumexp`` is off here, so the forward is exactly ``compute_log_prob``'s code
+    path (and holds at most its memory): the patch overwrites the logits in place, and the entropy is
+    computed from the same logits. verl 0.9.1 computes the entropy first (``transformer_impl.py``
+    ~1397-1431), but verl 0.8.0's packed path (``use_remove_padding``) computes the log-probs first:
+    there the patch would change the entropy (measured on the tiny model on CPU: max |difference|
+    1e-2; 0 on 0.9.1).
+    """
+    return _prepass_forward(engine, data, layout, calculate_entropy=True)
+
+
+def _prepass_forward(engine: BaseEngine, data: TensorDict, layout: str, *,
+                     calculate_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(log-probs, entropy or None) of the prepass forward (see the two public functions above)."""
     prepass_data = data.copy()  # shallow: new keys here do not reach the training step
     tu.assign_non_tensor(
         prepass_data,
-        calculate_entropy=False,
+        calculate_entropy=calculate_entropy,
         calculate_sum_pi_squared=False,
         distillation_use_topk=False,
         distillation_only=False,
@@ -241,16 +283,23 @@ def compute_prepass_log_probs(engine: BaseEngine, data: TensorDict, layout: str)
     width = padded(data["response_mask"]).shape[1]
     module = engine.module
     was_training = module.training
-    parts = []
-    with preserved_rng_states(), batched_logsumexp():
+    log_prob_parts, entropy_parts = [], []
+    # the in-place log-prob patch only when the logits feed nothing else (see compute_prepass_log_probs_and_entropy)
+    log_prob_path = contextlib.nullcontext() if calculate_entropy else batched_logsumexp()
+    with preserved_rng_states(), log_prob_path:
         module.eval()
         try:
             for batch in batches:
-                output = engine.infer_batch(batch, loss_function=None)
-                parts.append(fit_width(no_padding_2_padding(output["model_output"]["log_probs"], batch), width))
+                model_output = engine.infer_batch(batch, loss_function=None)["model_output"]
+                log_prob_parts.append(fit_width(no_padding_2_padding(model_output["log_probs"], batch), width))
+                if calculate_entropy:
+                    entropy_parts.append(fit_width(no_padding_2_padding(model_output["entropy"], batch), width))
         finally:
             module.train(was_training)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    log_probs = log_prob_parts[0] if len(log_prob_parts) == 1 else torch.cat(log_prob_parts)
+    if not calculate_entropy:
+        return log_probs, None
+    return log_probs, entropy_parts[0] if len(entropy_parts) == 1 else torch.cat(entropy_parts)
 
 
 @contextlib.contextmanager

@@ -59,6 +59,8 @@ class DiagnoseOptions:
     clip_cov_lb: float = 0.3
     clip_cov_ub: float = 5.0
     clip_cov_seed: int = 0
+    #: high_entropy_global's rho (the fraction of tokens kept), also its per-micro-batch comparator's
+    entropy_top_ratio: float = 0.2
     # Set by ``--config-name`` (lab/user_config.py); the defaults are diagnose's own behaviour.
     #: the N-micro-batch layout given directly (static: sequences per micro-batch; dynamic: token
     #: budget) instead of derived from ``micro_batches``, which then only names it
@@ -111,6 +113,10 @@ def validate(options: DiagnoseOptions) -> DiagnoseOptions:
         )
     from ..modes import MODES
 
+    ratio = options.entropy_top_ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) <= 1.0:
+        raise DiagnoseError(f"--entropy-top-ratio must be a fraction in (0, 1] (0.2 keeps the top 20% of tokens), "
+                            f"got {ratio!r}")
     try:
         for mode, spec in MODES.items():  # each mode's config class validates its knobs and the actor fields
             if spec.config_class is not None:
@@ -189,7 +195,7 @@ def _actor_config(options: DiagnoseOptions, mode: str):
     from verl.workers.config import PolicyLossConfig
 
     from . import tiny as _tiny
-    from .experiment import upstream_counts, variant_of
+    from .experiment import LAB_UPSTREAMS, upstream_counts, variant_of
 
     actor = {name: getattr(options, name) for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high",
                                                        "clip_ratio_c", "loss_scale_factor")
@@ -203,6 +209,9 @@ def _actor_config(options: DiagnoseOptions, mode: str):
     counts = upstream_counts(mode)
     if counts is not None:
         knobs = {key: getattr(options, key) for key in counts.knobs if key not in counts.plugin_knobs}
+        if mode in LAB_UPSTREAMS:  # the lab's comparator: its own config class, every knob of the mode
+            knobs = {key: getattr(options, key) for key in counts.knobs if key != "prepass_layout"}
+            return _tiny.make_actor_config(policy_loss=LAB_UPSTREAMS[mode][1](loss_mode=mode, **knobs), **actor)
         return _tiny.make_actor_config(policy_loss=PolicyLossConfig(loss_mode=mode, **knobs), **actor)
     return _tiny.make_actor_config(loss_mode=mode, kl_cov_ratio=options.kl_cov_ratio,
                                    ppo_kl_coef=options.ppo_kl_coef, **actor)
@@ -405,7 +414,7 @@ def format_report(report: dict) -> str:
         f"minibatch: {options['batch_size']} x ({options['prompt_len']} prompt + {options['response_len']} response) "
         f"tokens | kl_cov_ratio {options['kl_cov_ratio']} | ppo_kl_coef {options['ppo_kl_coef']} | "
         f"clip_cov ratio {options['clip_cov_ratio']}, window ({options['clip_cov_lb']}, {options['clip_cov_ub']}), "
-        f"seed {options['clip_cov_seed']} | {len(report['modes']['vanilla']['max_param_diff'])} blocks | "
+        f"seed {options['clip_cov_seed']} | entropy_top_ratio {options.get('entropy_top_ratio', 0.2)} | {len(report['modes']['vanilla']['max_param_diff'])} blocks | "
         f"{report.get('seconds', '?')} s",
         "",
         f"{'mode':<29} {'tokens selected (' + first + ' | ' + second + ')':<44} {'masks':<10} "

@@ -22,10 +22,20 @@ import torch
 from tensordict import TensorDict
 
 from . import cpu as _cpu
+from . import per_micro_batch as _per_micro_batch
 from . import tiny as _tiny
 from ..engine.prepass import PrepassResult
 from ..engine.step import observe_selections
 from ..modes import MODES, ModeSpec
+
+#: Upstream rules that only the lab registers (verl has no such loss): name -> (register it in this process,
+#: its ``policy_loss`` config class). ``high_entropy_global``'s upstream is the authors' per-micro-batch rule.
+LAB_UPSTREAMS: dict[str, tuple[Callable[[], str], type]] = {
+    _per_micro_batch.COMPARATOR: (_per_micro_batch.register_comparator,
+                                  _per_micro_batch.HighEntropyPerMicroBatchPolicyLossConfig),
+}
+#: Upstream rules that read each micro-batch's entropy (the engine computes it for them: ``calculate_entropy``).
+ENTROPY_UPSTREAMS = (_per_micro_batch.COMPARATOR,)
 
 #: Appended to a global mode's name: that mode with the prepass in the training micro-batch layout
 #: (verl PR #7830's choice), e.g. ``kl_cov_global[prepass=train]``.
@@ -68,6 +78,8 @@ def compared_modes(global_mode: str) -> tuple[str, ...]:
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
     spec = MODES[global_mode]
+    if spec.upstream in LAB_UPSTREAMS:
+        LAB_UPSTREAMS[spec.upstream][0]()  # in-process only: the plugin never registers a lab comparator
     modes = ("vanilla",) + ((spec.upstream,) if spec.upstream in POLICY_LOSS_REGISTRY else ()) + (global_mode,)
     return modes + ((train_layout_mode(global_mode),) if spec.diagnose_train_layout else ())
 
@@ -169,12 +181,16 @@ class UpdateOutcome:
 
 
 def _counting_ppo_loss(counter: list, config, model_output, data, dp_group=None):
-    """verl's ppo_loss, counting the tokens an upstream mode of the table selects in each micro-batch."""
-    from verl.workers.utils.losses import ppo_loss
+    """verl's ppo_loss, counting the tokens an upstream mode of the table selects in each micro-batch.
 
+    The lab's comparators get their micro-batch's entropy through
+    :func:`.per_micro_batch.ppo_loss_with_entropy` and report their own count."""
     counts = upstream_counts(config.policy_loss.loss_mode)
-    loss, metrics = ppo_loss(config, model_output, data, dp_group)
-    if counts is not None and counts.count_upstream_selected is not None:
+    loss, metrics = _per_micro_batch.ppo_loss_with_entropy(config, model_output, data, dp_group)
+    if _per_micro_batch.SELECTED_METRIC in metrics:
+        selected = metrics[_per_micro_batch.SELECTED_METRIC]
+        counter.append(round(float(selected.values[0] if hasattr(selected, "values") else selected)))
+    elif counts is not None and counts.count_upstream_selected is not None:
         counter.append(counts.count_upstream_selected(int(data["response_mask"].sum()), config.policy_loss, metrics))
     return loss, metrics
 
@@ -191,6 +207,10 @@ def one_update(engine_spec: EngineSpec, batch: TensorDict, actor_config, layout:
     if reseed is not None:
         torch.manual_seed(reseed)
     td = layout.apply(batch.copy())
+    if actor_config.policy_loss.get("loss_mode", "vanilla") in ENTROPY_UPSTREAMS:
+        from verl.utils import tensordict_utils as tu
+
+        tu.assign_non_tensor(td, calculate_entropy=True)  # the training forward computes each micro-batch's entropy
     quotas: list[int] = []
     selections: list[PrepassResult] = []
     loss_function = functools.partial(functools.partial(_counting_ppo_loss, quotas), config=actor_config)

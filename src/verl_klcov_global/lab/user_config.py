@@ -387,7 +387,8 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
                      f"the verdict can fail for that reason alone; set {ACTOR}.loss_scale_factor.")
     knobs = {}
     plugin_defaults = {"kl_cov_ratio": 0.0002, "ppo_kl_coef": 1.0, "clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0,
-                       "clip_cov_ub": 5.0, "clip_cov_seed": 0, "prepass_layout": "infer"}
+                       "clip_cov_ub": 5.0, "clip_cov_seed": 0, "entropy_top_ratio": 0.2,
+                       "prepass_layout": "infer"}
     for knob, default in plugin_defaults.items():
         key = f"{POLICY_LOSS}.{knob}"
         if r.get(key) is not None:

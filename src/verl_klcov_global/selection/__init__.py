@@ -3,6 +3,8 @@
 * :mod:`.kl_cov` -- KL-Cov: the top ``kl_cov_ratio`` fraction of tokens by covariance.
 * :mod:`.clip_cov` -- Clip-Cov: a reproducible uniform sample of the tokens whose covariance
   lies in a window, at most ``clip_cov_ratio`` of them.
+* :mod:`.high_entropy` -- the 80/20 method: the top ``entropy_top_ratio`` fraction of tokens by
+  current-policy entropy.
 * :mod:`.collectives` -- what every selection shares: exact group-wide means and the
   agreement on the k largest keys, with an exchange that does not grow with k or N.
 * :mod:`.keys` -- sampling keys hashed from (seed, sequence tokens, position).
@@ -20,18 +22,28 @@ from .clip_cov import (
     validate_clip_cov_window,
     validate_clip_ratio,
 )
+from .high_entropy import (
+    HighEntropySelection,
+    high_entropy_quota,
+    select_high_entropy_tokens,
+    validate_entropy_top_ratio,
+)
 from .kl_cov import KLCovSelection, kl_cov_quota, select_kl_cov_tokens, validate_kl_cov_ratio
 
 __all__ = [
     "ClipCovSelection",
+    "HighEntropySelection",
     "KLCovSelection",
     "clip_cov_quota",
+    "high_entropy_quota",
     "kl_cov_quota",
     "select_clip_cov_tokens",
+    "select_high_entropy_tokens",
     "select_kl_cov_tokens",
     "validate_clip_cov_ratio",
     "validate_clip_cov_seed",
     "validate_clip_cov_window",
     "validate_clip_ratio",
+    "validate_entropy_top_ratio",
     "validate_kl_cov_ratio",
 ]
