@@ -93,7 +93,7 @@ def _assert_says_what_to_do(message: str) -> None:
     assert f"cannot run on the verl it found (verl {verl.__version__} at {where})" in message, message
     assert f'pin a verl known to work (pip install "verl=={KNOWN_VERL_VERSIONS[-1]}")' in message, message
     assert "or upgrade verl-klcov-global to a release that supports this verl." in message, message
-    assert "loss modes (kl_cov_global, clip_cov_global) are not available" in message, message
+    assert f"loss modes ({', '.join(MODES)}) are not available" in message, message
     assert INSTALL_HINT not in message and "not on any package index" not in message
 
 
@@ -108,7 +108,7 @@ def test_the_seam_message_text():
 
 def test_the_seam_error_names_the_built_in_modes():
     """A process whose check failed answers for these names; a new built-in mode must be added there too."""
-    assert seams.GLOBAL_MODE_NAMES == (modes.KL_COV.name, modes.CLIP_COV.name) == tuple(MODES)
+    assert seams.GLOBAL_MODE_NAMES == (modes.KL_COV.name, modes.CLIP_COV.name, modes.HIGH_ENTROPY.name) == tuple(MODES)
 
 
 @pytest.fixture
@@ -132,7 +132,7 @@ def test_a_failed_check_is_written_to_stderr_once_per_process(seam_failure):
 
 def test_after_a_failed_check_the_loss_lookup_raises_the_seam_error(seam_failure):
     message, registry, _, _ = seam_failure
-    assert registry["vanilla"] is not None and sorted(registry) == ["clip_cov_global", "kl_cov_global", "vanilla"]
+    assert registry["vanilla"] is not None and sorted(registry) == sorted([*MODES, "vanilla"])
     for mode in seams.GLOBAL_MODE_NAMES:
         with pytest.raises(VerlSeamError) as raised:  # what verl's ppo_loss does, instead of "Unsupported loss mode"
             core_algos.get_policy_loss_fn(mode)(old_log_prob=None, log_prob=None, advantages=None, response_mask=None)
