@@ -53,13 +53,34 @@ fi
 # pip's own exit status survives the filter (pipefail); the filter only drops this
 # machine's notes about absent local package mirrors.
 pip_install() { "$VENV/bin/python" -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
+# The editable install writes src/*.egg-info in the checkout: one build at a time when several venvs are
+# set up at once (.ci/run does; scripts/test_wheel.sh takes the same lock for its wheel build). The
+# plugin's dependencies (pyproject's, test extra included) are installed first, outside the lock, so the
+# locked step has only the plugin itself left to build.
+mkdir -p out
+plugin_requirements() {
+  "$VENV/bin/python" - <<'PY'
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the copy pip carries
+    from pip._vendor import tomli as tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["test"]))
+PY
+}
+pip_install_plugin() {
+  local requirements
+  mapfile -t requirements < <(plugin_requirements)
+  pip_install "$@" "${requirements[@]}"
+  flock out/.build.lock "$VENV/bin/python" -m pip install -q "$@" -e ".[test]" 2>&1 | { grep -v "^WARNING: Location" || true; }
+}
 installed_verl() { "$VENV/bin/python" -c "from importlib.metadata import version; print(version('verl'))"; }
 if [ "$VERL_VERSION" = main ]; then
   grep -v '^verl==' constraints.txt > "$CONSTRAINTS"
   pip_install -c "$CONSTRAINTS" torch==2.13.0
   pip_install -c "$CONSTRAINTS" "$VERL_MAIN_ARCHIVE"
   MAIN_VERL=$(installed_verl)
-  pip_install -c "$CONSTRAINTS" -e ".[test]"  # dependencies resolved, as a user installs it
+  pip_install_plugin -c "$CONSTRAINTS"  # dependencies resolved, as a user installs it
   if [ "$(installed_verl)" != "$MAIN_VERL" ]; then
     echo "setup --verl main: installing the plugin replaced verl $MAIN_VERL (from $VERL_MAIN_ARCHIVE) with" \
       "verl $(installed_verl): the package's verl range must admit verl main (pyproject.toml, dependencies)" >&2
@@ -68,7 +89,7 @@ if [ "$VERL_VERSION" = main ]; then
   echo "setup --verl main: verl $MAIN_VERL from $(basename "$VERL_MAIN_ARCHIVE") kept after the plugin's install (no downgrade)"
 else
   pip_install -c "$CONSTRAINTS" torch==2.13.0
-  pip_install -c "$CONSTRAINTS" -e ".[test]"
+  pip_install_plugin -c "$CONSTRAINTS"
 fi
 
 # Final check: the plugin registers its losses through the loading route this verl offers.
