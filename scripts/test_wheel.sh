@@ -15,22 +15,45 @@
 #      then the check that the driver and every worker imported verl_klcov_global from the venv's
 #      site-packages.
 #
-#   bash scripts/test_wheel.sh          (.ci/run runs it; KEEP=1 keeps the temporary folder)
+#   bash scripts/test_wheel.sh                 all four steps (KEEP=1 keeps the temporary folder)
+#   bash scripts/test_wheel.sh --prepare DIR   steps 1-2 only, into DIR (a new folder outside the checkout)
+#   bash scripts/test_wheel.sh --from DIR      steps 3-4 with the wheel and venv that --prepare left in DIR
+#
+# .ci/run prepares in the background while the main suite runs (pip's work is mostly I/O), then
+# runs --from DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/verl-klcov-global-wheel.XXXXXX")
+STEPS=all
+case "${1:-}" in
+  "") WORK=$(mktemp -d "${TMPDIR:-/tmp}/verl-klcov-global-wheel.XXXXXX") ;;
+  --prepare|--from) STEPS=${1#--}; WORK=${2:?"$1 needs a folder"}; WORK=$(mkdir -p "$WORK" && cd "$WORK" && pwd) ;;
+  *) echo "usage: bash scripts/test_wheel.sh [--prepare DIR | --from DIR]" >&2; exit 2 ;;
+esac
 case "$WORK" in "$REPO"/*) echo "test_wheel: $WORK is inside the checkout" >&2; exit 2 ;; esac
-cleanup() { if [ "${KEEP:-0}" = 1 ] || [ "${ok:-0}" != 1 ]; then echo "test_wheel: kept $WORK"; else rm -rf "$WORK"; fi; }
+cleanup() {
+  if [ "$STEPS" = prepare ] || [ "${KEEP:-0}" = 1 ] || [ "${ok:-0}" != 1 ]; then echo "test_wheel: kept $WORK"
+  else rm -rf "$WORK"; fi
+}
 trap cleanup EXIT
 quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
 TOTAL=0
+VENV=$WORK/venv
 
+if [ "$STEPS" = from ]; then
+  [ -f "$WORK/prepared" ] || { echo "test_wheel: $WORK holds no prepared wheel and venv (run --prepare first)" >&2; exit 2; }
+  WHEEL=$(ls "$WORK"/dist/verl_klcov_global-*.whl)
+  SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+else
 # -- 1. the wheel ---------------------------------------------------------------------------------
 SECONDS=0
-quiet "$PYTHON" -m pip wheel -q --no-deps -w "$WORK/dist" "$REPO"
+rm -rf "$WORK/dist" "$WORK/prepared"
+# The build writes src/*.egg-info in the checkout: one build at a time (scripts/setup.sh takes the same lock).
+mkdir -p "$REPO/out"
+flock "$REPO/out/.build.lock" "$PYTHON" -m pip wheel -q --no-deps -w "$WORK/dist" "$REPO" 2>&1 \
+  | { grep -v "^WARNING: Location" || true; }
 WHEEL=$(ls "$WORK"/dist/verl_klcov_global-*.whl)
 "$PYTHON" - "$WHEEL" <<'PY'
 import os, sys, zipfile
@@ -50,12 +73,15 @@ PY
 echo "wheel job: build ${SECONDS} s"; TOTAL=$((TOTAL + SECONDS)); SECONDS=0
 
 # -- 2. a fresh venv outside the checkout ----------------------------------------------------------
-VENV=$WORK/venv
+rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
 quiet "$VENV/bin/python" -m pip install -q -c "$REPO/constraints.txt" torch==2.13.0
 quiet "$VENV/bin/python" -m pip install -q -c "$REPO/constraints.txt" "$WHEEL[test]"
 SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 echo "wheel job: venv ${SECONDS} s"; TOTAL=$((TOTAL + SECONDS)); SECONDS=0
+touch "$WORK/prepared"
+if [ "$STEPS" = prepare ]; then echo "wheel job: prepared in $WORK: total ${TOTAL} s"; exit 0; fi
+fi
 
 # -- 3. from a directory with no configs ----------------------------------------------------------
 USER_DIR=$WORK/user
@@ -91,7 +117,7 @@ cd "$REPO"
 PYTHONPATH=$REPO "$VENV/bin/python" -c "import verl_klcov_global as p, sys; assert p.__file__.startswith(sys.argv[1]), p.__file__" "$SITE/"
 E2E_TEST=test_main_ppo_grpo_on_cpu_runs_kl_cov_global_prepass_per_minibatch
 E2E_FILE=$(grep -rl --include='test_*.py' "def $E2E_TEST" tests)  # wherever the tests tree keeps it
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider --basetemp="$WORK/pytest" "$E2E_FILE::$E2E_TEST[legacy]"
+"$VENV/bin/python" -m pytest -q -n 0 -p no:cacheprovider --basetemp="$WORK/pytest" "$E2E_FILE::$E2E_TEST[legacy]"
 "$VENV/bin/python" - "$WORK/pytest" "$SITE" <<'PY'
 import glob, json, os, sys
 root, site = sys.argv[1:]

@@ -201,7 +201,7 @@ def _before_ray(output: str) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.verl_0_9_only  # verl 0.8's main_ppo calls validate_config in the TaskRunner, after ray.init
+@pytest.mark.needs_driver_validate_config  # verl 0.8's main_ppo calls validate_config in the TaskRunner, after ray.init
 def test_main_ppo_bypass_mode_error_before_ray_starts(tiny_model_path):
     proc, seconds, _ = _main_ppo(tiny_model_path, [f"{PL}loss_mode=kl_cov_global", "trainer.use_v1=False",
                                                    f"{RC}bypass_mode=True", f"{RC}rollout_is=token"],
@@ -215,7 +215,7 @@ def test_main_ppo_bypass_mode_error_before_ray_starts(tiny_model_path):
 
 
 @pytest.mark.slow
-@pytest.mark.verl_0_9_only
+@pytest.mark.needs_driver_validate_config
 def test_main_ppo_prints_the_warnings_by_default(tiny_model_path):
     """Both warnings, printed with Python's default filters; then verl's own validate_config goes on and
     stops at its own check (no micro-batch size set: so the run ends before Ray, cheaply)."""

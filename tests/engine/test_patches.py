@@ -110,7 +110,7 @@ def _probe_processes():
     return results
 
 
-@pytest.mark.verl_0_9_only  # verl 0.8 has no verl.plugins group: tests/test_loading_routes.py covers its route
+@pytest.mark.needs_entry_point_group  # verl 0.8 has no verl.plugins group: tests/test_loading_routes.py covers its route
 def test_entry_point_installs_the_hook_on_import_verl_in_a_clean_interpreter():
     results = _probe_processes()
     assert results["auto"] == {
