@@ -44,7 +44,9 @@ if [ "$VERSION" = main ]; then
     "tests/engine/test_engine_kl_cov.py::test_static_micro_batches_64_vs_8[packed-fsdp]" \
     "tests/engine/test_engine_kl_cov.py::test_two_dp_ranks_give_the_single_rank_mask_and_update" \
     "tests/engine/test_engine_clip_cov.py::test_all_candidates_clipped_static_micro_batches_equal_verl_clip_cov_on_one" \
-    "tests/engine/test_engine_clip_cov.py::test_sampled_mask_on_two_dp_ranks_is_the_single_rank_mask" "$@"
+    "tests/engine/test_engine_clip_cov.py::test_sampled_mask_on_two_dp_ranks_is_the_single_rank_mask" \
+    "tests/engine/test_engine_high_entropy.py::test_prepass_entropy_is_verls_compute_log_prob_entropy_bit_for_bit" \
+    "tests/engine/test_engine_high_entropy.py::test_dp_2_and_ulysses_sp_2_give_the_single_process_mask_figures_and_update" "$@"
   echo "verl $VERSION job: engine invariance ${SECONDS} s"; SECONDS=0
 else
   SUBSET=(
@@ -60,6 +62,10 @@ else
     tests/engine/test_prepass.py
     tests/engine/test_engine_kl_cov.py
     tests/engine/test_engine_clip_cov.py
+    # high_entropy_global on 0.8: its prepass entropy is compute_log_prob's bit for bit, and the other
+    # modes' prepasses stay entropy-free (~8 s; the whole file passes on 0.8.0 too, ~3 min)
+    "tests/engine/test_engine_high_entropy.py::test_prepass_entropy_is_verls_compute_log_prob_entropy_bit_for_bit"
+    "tests/engine/test_engine_high_entropy.py::test_kl_cov_and_clip_cov_prepasses_compute_no_entropy_and_keep_the_in_place_patch"
   )
   # CI time: the fsdp2 variants of the static 64-vs-8 engine test (~105 s) are left to the main suite;
   # fsdp2 stays covered here by tests/engine/test_engine_clip_cov.py's fsdp2 cases.
@@ -77,7 +83,7 @@ import json, sys
 import verl
 report = json.load(open(sys.argv[1]))
 assert report["invariant"] is True, report["verdict"]
-for mode in ("kl_cov_global", "clip_cov_global"):
+for mode in ("kl_cov_global", "clip_cov_global", "high_entropy_global"):
     assert report["modes"][mode]["masks_identical"] is True, mode
 print(f"diagnose on verl {verl.__version__} ok:", report["verdict"])
 PY

@@ -59,6 +59,7 @@ WHEEL=$(ls "$WORK"/dist/verl_klcov_global-*.whl)
 import os, sys, zipfile
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
 need = {"verl_klcov_global/configs/kl_cov_global.yaml", "verl_klcov_global/configs/clip_cov_global.yaml",
+        "verl_klcov_global/configs/high_entropy_global.yaml",
         "hydra_plugins/verl_klcov_global_searchpath/verl_klcov_global_searchpath.py"}
 assert need <= names, sorted(need - names)
 assert not any(n.startswith("hydra_plugins/__init__") for n in names), "hydra_plugins must stay a namespace package"

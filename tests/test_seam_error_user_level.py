@@ -34,7 +34,8 @@ from verl_klcov_global.install_hint import INSTALL_HINT
 
 from .trainer_support.env import INHERITED_ENV_TO_DROP, REPO_ROOT
 
-pytestmark = pytest.mark.slow  # fresh interpreters (and a local Ray cluster)
+pytestmark = [pytest.mark.slow,  # fresh interpreters (and a local Ray cluster)
+              pytest.mark.needs_entry_point_group, pytest.mark.needs_driver_validate_config]
 
 #: Moves one seam after verl defines it: ``BaseEngine.train_batch(self, data, loss_function, extra=None)``.
 MOVE_TRAIN_BATCH = '''
