@@ -33,8 +33,9 @@ import torch
 
 from experiments.learning import NOISE_FACTOR, format_report, run_runs, summarize
 from experiments.learning import BASE as FIGURE_BASE
-from experiments.learning_task import TARGET_IDS, VOCAB_SIZE, build_learning_model, build_tokenizer, target_fraction
+from experiments.learning_task import TARGET_IDS, VOCAB_SIZE, build_learning_model, target_fraction
 from experiments.policy_rollout import PolicySampler, grpo_advantages, request_seed
+from verl_klcov_global.lab.tiny import build_tokenizer
 
 STEPS = 6
 TEST_BASE = replace(FIGURE_BASE, steps=STEPS, prompts_per_step=4, mini_batch_prompts=2, lr=0.1)
@@ -47,7 +48,7 @@ def learning_model(tmp_path_factory):
 
 
 def test_task_tokenizer_has_64_ids_and_short_prompts():
-    tok = build_tokenizer()
+    tok = build_tokenizer("words")
     assert len(tok) == VOCAB_SIZE and tok.pad_token_id == 0 and tok.eos_token_id == 2
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 123 + 124?"}], add_generation_prompt=True,
                                   tokenize=True)

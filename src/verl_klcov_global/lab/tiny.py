@@ -2,7 +2,9 @@
 
 * :func:`build_tiny_model` -- random Qwen2 (~140k params) + a byte-level BPE
   tokenizer trained locally, saved as an HF model directory
-  (:func:`build_random_model`: the same for any Qwen2 config, e.g. the GPU kit's 0.5B shape).
+  (:func:`build_random_model`: the same for any Qwen2 config, e.g. the GPU kit's 0.5B shape,
+  and either tokenizer of :func:`build_tokenizer`: ``"bpe"`` or the 64-id word-level ``"words"``;
+  :func:`build_words_model`: the 64-id model the learning experiments train from scratch).
 * :func:`make_minibatch` -- one actor-update minibatch shaped exactly as verl
   0.9.1 hands it to ``TrainingWorker.train_batch`` / ``engine.train_batch``,
   in the v1-trainer layout (every per-sample field nested/jagged) or the
@@ -57,7 +59,12 @@ __all__ = [
     "TINY_MODEL_KWARGS",
     "PAD_TOKEN",
     "EOS_TOKEN",
+    "WORDS_MODEL_KWARGS",
+    "WORDS_VOCAB_SIZE",
+    "TOKENIZERS",
+    "build_tokenizer",
     "build_tiny_model",
+    "build_words_model",
     "build_random_model",
     "make_minibatch",
     "compute_current_log_probs",
@@ -77,9 +84,14 @@ TINY_MODEL_KWARGS = dict(
     tie_word_embeddings=False,
     attention_dropout=0.0,
 )
+#: The ``"words"`` tokenizer's model (:func:`build_words_model`): the learning experiments' 64-id Qwen2.
+WORDS_VOCAB_SIZE = 64
+WORDS_MODEL_KWARGS = dict(TINY_MODEL_KWARGS, vocab_size=WORDS_VOCAB_SIZE, max_position_embeddings=64)
 PAD_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
+UNK_TOKEN = "<|unk|>"  # the "words" tokenizer's
+_WORDS = ["user", "assistant", "system", "What", "is", "+", "?"] + [str(d) for d in range(10)]
 _SPECIAL_TOKENS = [PAD_TOKEN, IM_START_TOKEN, EOS_TOKEN]  # ids 0, 1, 2
 _CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -104,7 +116,7 @@ _TRAINING_TEXT = [
 # ---------------------------------------------------------------------------
 
 
-def _build_tokenizer(vocab_size: int = 400):
+def _bpe_tokenizer(vocab_size: int = 400):
     """Byte-level BPE (``tokenizers``) trained on a few lines, as a fast HF tokenizer.
 
     ``"\\n"`` is a single token (byte-level alphabet), ids 0/1/2 are
@@ -128,6 +140,45 @@ def _build_tokenizer(vocab_size: int = 400):
     return fast
 
 
+def _words_tokenizer():
+    """A word-level fast tokenizer of exactly :data:`WORDS_VOCAB_SIZE` ids: 4 special tokens (pad, im_start,
+    eos, unk), the learning prompts' words and single digits, then fillers ``<|t..|>``. Whitespace (also
+    ``\\n``) only separates words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    names = [PAD_TOKEN, IM_START_TOKEN, EOS_TOKEN, UNK_TOKEN] + _WORDS
+    names += [f"<|t{i}|>" for i in range(len(names), WORDS_VOCAB_SIZE)]
+    tok = Tokenizer(models.WordLevel(vocab={name: i for i, name in enumerate(names)}, unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
+                                                 pre_tokenizers.Digits(individual_digits=True)])
+    tok.add_special_tokens([PAD_TOKEN, IM_START_TOKEN, EOS_TOKEN, UNK_TOKEN])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN,
+                                   unk_token=UNK_TOKEN)
+    fast.chat_template = _CHAT_TEMPLATE
+    if len(fast) != WORDS_VOCAB_SIZE:
+        raise RuntimeError(f"the word-level tokenizer has {len(fast)} ids, expected {WORDS_VOCAB_SIZE}")
+    return fast
+
+
+_TOKENIZER_BUILDERS = {"bpe": _bpe_tokenizer, "words": _words_tokenizer}
+#: The tokenizers :func:`build_tokenizer` and :func:`build_random_model` know.
+TOKENIZERS = tuple(_TOKENIZER_BUILDERS)
+
+
+def build_tokenizer(tokenizer: str = "bpe"):
+    """A local fast HF tokenizer with the chat template (no downloads); ids 0/1/2 are pad, ``<|im_start|>``, eos.
+
+    ``"bpe"``: byte-level BPE of 400 ids trained on a few lines (every text encodes; the tiny model's).
+    ``"words"``: word-level, exactly :data:`WORDS_VOCAB_SIZE` (64) ids -- pad, im_start, eos, ``<|unk|>``,
+    the words ``user assistant system What is + ?`` and the 10 digits (ids 4-20), then fillers
+    ``<|t21|>`` .. ``<|t63|>`` (the learning task's target set is among them).
+    """
+    if tokenizer not in _TOKENIZER_BUILDERS:
+        raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {tokenizer!r}")
+    return _TOKENIZER_BUILDERS[tokenizer]()
+
+
 def build_tiny_model(path: str, seed: int = 0) -> str:
     """Write a random tiny Qwen2 + tokenizer + generation config to ``path``.
 
@@ -139,16 +190,24 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
     return build_random_model(path, TINY_MODEL_KWARGS, seed=seed)
 
 
-def build_random_model(
-    path: str, model_kwargs: dict[str, Any], *, seed: int = 0, dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
-) -> str:
-    """Write a random Qwen2 of config ``model_kwargs`` (``Qwen2Config`` fields) + the local tokenizer to ``path``.
+def build_words_model(path: str, seed: int = 0) -> str:
+    """Write the random Qwen2 of :data:`WORDS_MODEL_KWARGS` (vocab 64, hidden 64, 2 layers, 4 heads / 2 kv
+    heads, 82,496 parameters, fp32; weights from ``torch.manual_seed(seed)``) with the ``"words"``
+    tokenizer to ``path``: the model the learning experiments train from scratch. Idempotent and safe
+    for concurrent callers, like :func:`build_tiny_model`."""
+    return build_random_model(path, WORDS_MODEL_KWARGS, seed=seed, tokenizer="words")
 
-    Weights are initialised on ``device`` (a GPU makes a 0.5B model in seconds) after
-    ``torch.manual_seed(seed)`` and saved in ``dtype``; ``vocab_size`` must be at
-    least the tokenizer's 400 ids. Idempotent and safe for concurrent callers, like
-    :func:`build_tiny_model`.
+
+def build_random_model(
+    path: str, model_kwargs: dict[str, Any], *, seed: int = 0, tokenizer: str = "bpe",
+    dtype: torch.dtype = torch.float32, device: str = "cpu",
+) -> str:
+    """Write a random Qwen2 of config ``model_kwargs`` (``Qwen2Config`` fields) + a local tokenizer to ``path``.
+
+    ``tokenizer``: ``"bpe"`` (400 ids) or ``"words"`` (64 ids), see :func:`build_tokenizer`;
+    ``vocab_size`` must be at least its ids. Weights are initialised on ``device`` (a GPU makes a
+    0.5B model in seconds) after ``torch.manual_seed(seed)`` and saved in ``dtype``. Idempotent and
+    safe for concurrent callers, like :func:`build_tiny_model`.
     """
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -158,10 +217,10 @@ def build_random_model(
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tiny_qwen2_", dir=parent)
     try:
-        tokenizer = _build_tokenizer()
-        if len(tokenizer) > model_kwargs["vocab_size"]:
-            raise ValueError(f"vocab_size {model_kwargs['vocab_size']} < the local tokenizer's {len(tokenizer)} ids")
-        ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+        tok = build_tokenizer(tokenizer)
+        if len(tok) > model_kwargs["vocab_size"]:
+            raise ValueError(f"vocab_size {model_kwargs['vocab_size']} < the {tokenizer!r} tokenizer's {len(tok)} ids")
+        ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
         config = Qwen2Config(**model_kwargs, **ids)
         config.architectures = ["Qwen2ForCausalLM"]
         torch.manual_seed(seed)
@@ -169,7 +228,7 @@ def build_random_model(
             model = Qwen2ForCausalLM(config)
         model.to(device="cpu", dtype=dtype).save_pretrained(tmp)
         del model
-        tokenizer.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
         GenerationConfig(**ids).save_pretrained(tmp)
         try:
             os.rename(tmp, path)
