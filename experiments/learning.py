@@ -29,6 +29,7 @@ covariances start near 0), ``entropy_top_ratio`` 0.2 (the paper's).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -39,6 +40,8 @@ from dataclasses import asdict, replace
 from typing import Optional, Sequence
 
 from .local_trainer import LOSS_MODES, RunConfig, RunResult, run_local
+from .study_cli import add_output_arguments, add_run_arguments, load_pyplot, redraw_from_json, run_in_jobs, \
+    write_outputs
 
 MICRO_BATCH_SIZES = (1, 4)
 #: A global mode's curves may differ between micro-batch sizes by at most this many times vanilla's difference.
@@ -75,50 +78,40 @@ class MakePolicyRollout:
                              max_response_length=run.max_response_length)
 
 
-def _run_group(runs: Sequence[RunConfig], model_path: str, work_dir: str, quiet: bool) -> list[RunResult]:
+def _run_one(run: RunConfig, *, model_path: str, work_dir: str, quiet: bool) -> RunResult:
+    """One run in its own folder below ``work_dir``, timed (``result.seconds``)."""
     import contextlib
 
     from verl_klcov_global.lab.diagnose import quiet_verl
 
     from .learning_task import write_dataset
 
-    os.makedirs(work_dir, exist_ok=True)
+    run_dir = os.path.join(work_dir, run.label().replace(" ", "_"))
+    os.makedirs(run_dir, exist_ok=True)
     with quiet_verl() if quiet else contextlib.nullcontext():
-        results = []
-        for run in runs:
-            started = time.perf_counter()
-            (result,) = run_local([run], model_path=model_path, work_dir=work_dir,
-                                  make_rollout=MakePolicyRollout(model_path), dataset=write_dataset)
-            result.seconds = time.perf_counter() - started
-            print(f"  {run.label()}: {result.seconds:.0f} s", file=sys.__stderr__, flush=True)
-            results.append(result)
-    return results
+        started = time.perf_counter()
+        (result,) = run_local([run], model_path=model_path, work_dir=run_dir,
+                              make_rollout=MakePolicyRollout(model_path), dataset=write_dataset)
+        result.seconds = time.perf_counter() - started
+    return result
+
+
+def run_cost(run: RunConfig) -> float:
+    """A run's relative cost, to start the longest first: a loss call costs about the same at any
+    micro-batch size here, so the number of micro-batches, plus a fixed part."""
+    return run.mini_batch_prompts * run.responses_per_prompt / run.micro_batch_size + 8
 
 
 def run_runs(runs: Sequence[RunConfig], *, model_path: str, work_dir: str, jobs: int = 1,
              quiet: bool = True) -> list[RunResult]:
-    """The runs, in this process (``jobs`` 1) or spread over ``jobs`` spawned processes; results in order."""
-    if jobs <= 1:
-        return _run_group(runs, model_path, os.path.join(work_dir, "job0"), quiet)
-    import multiprocessing
+    """The runs, in this process (``jobs`` 1) or spread over ``jobs`` spawned processes
+    (:func:`.study_cli.run_in_jobs`, longest first); results in order. Every run seeds itself, so a
+    result does not depend on the process that ran it."""
+    def progress(index: int, result: RunResult) -> None:
+        print(f"  {runs[index].label()}: {result.seconds:.0f} s", file=sys.__stderr__, flush=True)
 
-    # longest first onto the least loaded job; a loss call costs about the same at any micro-batch size here
-    cost = [run.mini_batch_prompts * run.responses_per_prompt / run.micro_batch_size + 8 for run in runs]
-    groups: list[list[int]] = [[] for _ in range(jobs)]
-    load = [0.0] * jobs
-    for i in sorted(range(len(runs)), key=lambda i: -cost[i]):
-        j = load.index(min(load))
-        groups[j].append(i)
-        load[j] += cost[i]
-    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-        pending = [pool.apply_async(_run_group, ([runs[i] for i in g], model_path, os.path.join(work_dir, f"job{j}"),
-                                                 quiet)) for j, g in enumerate(groups)]
-        parts = [p.get() for p in pending]
-    out: list = [None] * len(runs)
-    for group, part in zip(groups, parts):
-        for i, result in zip(group, part):
-            out[i] = result
-    return out
+    task = functools.partial(_run_one, model_path=model_path, work_dir=work_dir, quiet=quiet)
+    return run_in_jobs(task, runs, jobs=jobs, cost=run_cost, on_result=progress)
 
 
 # -- figures ----------------------------------------------------------------------------------------------
@@ -279,13 +272,7 @@ COLORS = {"vanilla": "0.45", "kl_cov": "tab:red", "kl_cov_global": "tab:blue", "
 def plot(report: dict, path: str) -> None:
     """One PNG: entropy and reward vs step (every mode, micro-batch 1 solid, 4 dashed), per-step entropy
     change against the rollout's token covariance, and the global modes' selected share of positive covariance."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise SystemExit(f"the picture needs matplotlib: pip install 'verl-klcov-global[plot]' ({error})")
+    plt = load_pyplot()
 
     small, large = report["micro_batch_sizes"][0], report["micro_batch_sizes"][-1]
     styles = {small: ("-", None), large: ("--", None)}
@@ -343,22 +330,12 @@ def plot(report: dict, path: str) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.learning", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--png", help="write the picture here (needs matplotlib: the plot extra)")
-    parser.add_argument("--json", help="write every figure here")
-    parser.add_argument("--steps", type=int, default=BASE.steps, help="GRPO steps per run (default %(default)s)")
+    add_output_arguments(parser)
+    add_run_arguments(parser, steps_default=BASE.steps, jobs_default=2, seed_default=BASE.seed)
     parser.add_argument("--modes", default=",".join(LOSS_MODES), help="comma-separated (default: all seven)")
-    parser.add_argument("--jobs", type=int, default=2, help="processes running runs in parallel (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=BASE.seed)
-    parser.add_argument("--from-json", metavar="PATH", help="no runs: report and draw a JSON an earlier run wrote")
     args = parser.parse_args(argv)
     if args.from_json:
-        with open(args.from_json) as f:
-            report = add_comparable_reward(json.load(f))
-        print(format_report(report))
-        if args.png:
-            plot(report, args.png)
-            print(f"picture: {args.png}")
-        return 0
+        return redraw_from_json(args, format_report, plot, prepare=add_comparable_reward)
     modes = args.modes.split(",")
     if args.steps < 2 or any(m not in LOSS_MODES for m in modes) or "vanilla" not in modes:
         parser.error(f"--steps >= 2; --modes from {LOSS_MODES}, vanilla included")
@@ -374,15 +351,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report = summarize(results)
     report["seconds"] = time.perf_counter() - started
     report["jobs"] = args.jobs
-    print(format_report(report))
+    write_outputs(report, args, format_report, plot)
     print(f"total {report['seconds']:.0f} s with {args.jobs} job(s)")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    if args.png:
-        plot(report, args.png)
-        print(f"picture: {args.png}")
     return 0
 
 

@@ -17,7 +17,6 @@ even vanilla would train on different data).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -29,6 +28,7 @@ from typing import Optional, Sequence
 import torch
 
 from .local_trainer import RunConfig, RunResult, run_local, run_spawned
+from .study_cli import add_output_arguments, add_run_arguments, load_pyplot, redraw_from_json, write_outputs
 from verl_klcov_global.modes import MODES
 
 #: A global mode may differ between micro-batch sizes by at most this many times vanilla's difference.
@@ -229,14 +229,7 @@ def plot(report: dict, path: str) -> None:
     """PNG, one row per method. First column: the policy entropy per step of the four runs (upstream and
     global, micro-batch size 1 solid, 4 dashed). Other columns: the difference between micro-batch sizes
     1 and 4 per step, upstream vs global vs vanilla, log scale (an exact 0 is drawn at the bottom)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise SystemExit(f"the picture needs matplotlib (`pip install matplotlib`, or the plugin's plot extra: "
-                         f"`pip install -e '.[plot]'` in a clone) ({error})")
+    plt = load_pyplot()
 
     pairs, curves = report["mbs"]["pairs"], report["curves"]
     small, large = report["micro_batch_sizes"]
@@ -294,13 +287,13 @@ def plot(report: dict, path: str) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.trajectory", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--png", help="write the picture here (needs matplotlib)")
-    parser.add_argument("--json", help="write the full report here")
-    parser.add_argument("--steps", type=int, default=PICTURE_STEPS, help="GRPO steps per run (default %(default)s)")
+    add_output_arguments(parser)
+    add_run_arguments(parser, steps_default=PICTURE_STEPS, jobs_default=None, seed_default=RunConfig.seed)
     parser.add_argument("--dp", action="store_true", help="also compare 2 data-parallel ranks with 1")
     parser.add_argument("--model", help="a local HF checkpoint (default: the tiny Qwen2, built locally)")
-    parser.add_argument("--seed", type=int, default=RunConfig.seed)
     args = parser.parse_args(argv)
+    if args.from_json:
+        return redraw_from_json(args, format_report, plot)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
 
@@ -313,13 +306,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with quiet_verl():
             report = run_experiment(base, model_path=model, work_dir=work_dir, dp=args.dp, quiet=True,
                                     progress=lambda m: print(m, file=sys.__stderr__, flush=True))
-    print(format_report(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
-    if args.png:
-        plot(report, args.png)
-        print(f"picture: {args.png}")
+    write_outputs(report, args, format_report, plot)
     return 0 if report["ok"] else 1
 
 

@@ -121,9 +121,19 @@ def test_selection_acts_in_every_step(report):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_picture_is_a_png_of_the_report(report, tmp_path):
-    from experiments.trajectory import plot
+def test_picture_is_a_png_of_the_report_and_redraws_from_its_json(report, tmp_path, capsys):
+    import argparse
+
+    from experiments.study_cli import write_outputs
+    from experiments.trajectory import main, plot
 
     path = tmp_path / "trajectory.png"
     plot(report, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
+    # --from-json: the report the command wrote prints the same text and draws the same picture
+    saved = tmp_path / "out" / "trajectory.json"
+    write_outputs(report, argparse.Namespace(json=str(saved), png=None), format_report, plot)
+    capsys.readouterr()
+    assert main(["--from-json", str(saved), "--png", str(tmp_path / "redrawn.png")]) == 0
+    assert capsys.readouterr().out == format_report(report) + f"\npicture: {tmp_path / 'redrawn.png'}\n"
+    assert (tmp_path / "redrawn.png").read_bytes() == path.read_bytes()

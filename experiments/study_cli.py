@@ -1,0 +1,125 @@
+"""The shared tail of the experiment commands (:mod:`.learning`, :mod:`.trajectory`, exploration).
+
+Each command computes a JSON-ready report, prints it as text and may draw it; this module holds what
+they share, so that a new study writes only its runs, its report text and its picture:
+
+* :func:`load_pyplot` -- matplotlib's pyplot on the Agg backend, or an exit that says what to install;
+* :func:`add_output_arguments` / :func:`add_run_arguments` -- the flags ``--png``, ``--json``,
+  ``--from-json`` and ``--steps``, ``--jobs``, ``--seed``;
+* :func:`redraw_from_json` -- ``--from-json``: no runs, the report and the picture of an earlier JSON;
+* :func:`write_outputs` -- print the report, write the JSON, draw the PNG;
+* :func:`run_in_jobs` -- independent tasks over spawned processes, longest first, results in order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = ["load_pyplot", "add_output_arguments", "add_run_arguments", "redraw_from_json", "write_outputs",
+           "run_in_jobs"]
+
+#: What to install when matplotlib is missing (the pictures only; the runs and the JSON do without).
+PLOT_HINT = ("the picture needs matplotlib (`pip install matplotlib`, or the plugin's plot extra: "
+             "`pip install 'verl-klcov-global[plot]'`, or `pip install -e '.[plot]'` in a clone)")
+
+
+def load_pyplot():
+    """``matplotlib.pyplot`` with the non-interactive Agg backend; ``SystemExit`` with :data:`PLOT_HINT` if
+    matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise SystemExit(f"{PLOT_HINT} ({error})")
+    return plt
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--png PATH`` (the picture), ``--json PATH`` (every figure), ``--from-json PATH`` (no runs: redraw)."""
+    parser.add_argument("--png", help="write the picture here (needs matplotlib: the plot extra)")
+    parser.add_argument("--json", help="write every figure here (the full report)")
+    parser.add_argument("--from-json", metavar="PATH", help="no runs: report and draw a JSON an earlier run wrote")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, steps_default: int, jobs_default: Optional[int] = 2,
+                      seed_default: int) -> None:
+    """``--steps`` (GRPO steps per run), ``--jobs`` (processes; left out when ``jobs_default`` is None) and
+    ``--seed``, with the command's defaults."""
+    parser.add_argument("--steps", type=int, default=steps_default, help="GRPO steps per run (default %(default)s)")
+    if jobs_default is not None:
+        parser.add_argument("--jobs", type=int, default=jobs_default,
+                            help="processes running runs in parallel (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=seed_default, help="the runs' seed (default %(default)s)")
+
+
+def _draw(report: dict, args: argparse.Namespace, plot: Callable[[dict, str], None]) -> None:
+    if args.png:
+        plot(report, args.png)
+        print(f"picture: {args.png}")
+
+
+def redraw_from_json(args: argparse.Namespace, format_report: Callable[[dict], str],
+                     plot: Callable[[dict, str], None], prepare: Optional[Callable[[dict], Any]] = None) -> int:
+    """``--from-json``: load ``args.from_json``, let ``prepare(report)`` fill in what an older JSON lacks (in
+    place, or by returning the new report), print ``format_report(report)``, draw it if ``--png``; returns 0."""
+    with open(args.from_json) as f:
+        report = json.load(f)
+    if prepare is not None:
+        prepared = prepare(report)
+        report = report if prepared is None else prepared
+    print(format_report(report))
+    _draw(report, args, plot)
+    return 0
+
+
+def write_outputs(report: dict, args: argparse.Namespace, format_report: Callable[[dict], str],
+                  plot: Callable[[dict, str], None]) -> None:
+    """Print ``format_report(report)``; write the report to ``--json`` (creating its folder; values JSON
+    cannot hold, as strings) and draw ``--png``, printing each path written."""
+    print(format_report(report))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        print(f"report: {args.json}")
+    _draw(report, args, plot)
+
+
+def _call_indexed(task: tuple) -> tuple[int, Any]:
+    fn, index, item = task
+    return index, fn(item)
+
+
+def run_in_jobs(fn: Callable[[Any], Any], items: Sequence[Any], *, jobs: int,
+                cost: Optional[Callable[[Any], float]] = None,
+                on_result: Optional[Callable[[int, Any], None]] = None) -> list:
+    """``[fn(item) for item in items]``, spread over ``jobs`` spawned processes (``jobs`` <= 1: in this one).
+
+    Tasks are handed out longest first by ``cost(item)`` (item order without ``cost``), one at a time to
+    whichever process is free. ``on_result(index, result)`` runs in this process as each task finishes
+    (progress lines, incremental saves). ``fn`` and the items must pickle (``fn`` a module-level function,
+    e.g. a ``functools.partial`` of one), and ``fn(item)`` must not depend on the process it runs in or on
+    what ran there before: each task seeds itself. A task's exception is raised here.
+    """
+    items = list(items)
+    results: list = [None] * len(items)
+    if jobs <= 1 or not items:
+        for index, item in enumerate(items):
+            results[index] = fn(item)
+            if on_result is not None:
+                on_result(index, results[index])
+        return results
+    import multiprocessing
+
+    order = sorted(range(len(items)), key=lambda i: -cost(items[i])) if cost else range(len(items))
+    with multiprocessing.get_context("spawn").Pool(min(jobs, len(items))) as pool:
+        for index, result in pool.imap_unordered(_call_indexed, [(fn, i, items[i]) for i in order], chunksize=1):
+            results[index] = result
+            if on_result is not None:
+                on_result(index, result)
+    return results
