@@ -28,7 +28,6 @@ covariances start near 0), ``entropy_top_ratio`` 0.2 (the paper's).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
@@ -40,8 +39,10 @@ from dataclasses import asdict, replace
 from typing import Optional, Sequence
 
 from .local_trainer import LOSS_MODES, RunConfig, RunResult, run_local
-from .study_cli import add_output_arguments, add_run_arguments, load_pyplot, redraw_from_json, run_in_jobs, \
-    write_outputs
+from .study_cli import (
+    add_output_arguments, add_run_arguments, load_pyplot, new_parser, redraw_from_json,
+    run_in_jobs, save_figure, write_outputs,
+)
 
 MICRO_BATCH_SIZES = (1, 4)
 #: A global mode's curves may differ between micro-batch sizes by at most this many times vanilla's difference.
@@ -322,14 +323,11 @@ def plot(report: dict, path: str) -> None:
         f"{cfg['optimizer']} lr {cfg['lr']}, kl_cov_ratio {cfg['kl_cov_ratio']} coef {cfg['ppo_kl_coef']}, "
         f"clip_cov_ratio {cfg['clip_cov_ratio']} window ({cfg['clip_cov_lb']}, {cfg['clip_cov_ub']})"
         + (f", entropy_top_ratio {cfg['entropy_top_ratio']}" if "entropy_top_ratio" in cfg else ""), fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path, dpi=90)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.learning", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser("python -m experiments.learning", __doc__)
     add_output_arguments(parser)
     add_run_arguments(parser, steps_default=BASE.steps, jobs_default=2, seed_default=BASE.seed)
     parser.add_argument("--modes", default=",".join(LOSS_MODES), help="comma-separated (default: all seven)")

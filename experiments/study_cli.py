@@ -3,7 +3,9 @@
 Each command computes a JSON-ready report, prints it as text and may draw it; this module holds what
 they share, so that a new study writes only its runs, its report text and its picture:
 
-* :func:`load_pyplot` -- matplotlib's pyplot on the Agg backend, or an exit that says what to install;
+* :func:`new_parser` -- the command's parser, its module docstring as the description;
+* :func:`load_pyplot` / :func:`save_figure` -- matplotlib's pyplot on the Agg backend (or an exit that says
+  what to install); a figure laid out, written and closed;
 * :func:`add_output_arguments` / :func:`add_run_arguments` -- the flags ``--png``, ``--json``,
   ``--from-json`` and ``--steps``, ``--jobs``, ``--seed``;
 * :func:`redraw_from_json` -- ``--from-json``: no runs, the report and the picture of an earlier JSON;
@@ -18,7 +20,7 @@ import json
 import os
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["load_pyplot", "add_output_arguments", "add_run_arguments", "redraw_from_json", "write_outputs",
+__all__ = ["new_parser", "load_pyplot", "save_figure", "add_output_arguments", "add_run_arguments", "redraw_from_json", "write_outputs",
            "run_in_jobs"]
 
 #: What to install when matplotlib is missing (the pictures only; the runs and the JSON do without).
@@ -37,6 +39,20 @@ def load_pyplot():
     except ImportError as error:
         raise SystemExit(f"{PLOT_HINT} ({error})")
     return plt
+
+
+def save_figure(fig, path: str, *, dpi: int) -> None:
+    """``fig`` laid out (``tight_layout``), written to ``path`` at ``dpi`` and closed."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    load_pyplot().close(fig)
+
+
+def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The command's parser: ``prog`` (e.g. ``python -m experiments.learning``), ``description`` (the module
+    docstring) shown as written."""
+    return argparse.ArgumentParser(prog=prog, description=description,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:

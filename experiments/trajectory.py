@@ -16,7 +16,6 @@ even vanilla would train on different data).
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -28,7 +27,10 @@ from typing import Optional, Sequence
 import torch
 
 from .local_trainer import RunConfig, RunResult, run_local, run_spawned
-from .study_cli import add_output_arguments, add_run_arguments, load_pyplot, redraw_from_json, write_outputs
+from .study_cli import (
+    add_output_arguments, add_run_arguments, load_pyplot, new_parser, redraw_from_json,
+    save_figure, write_outputs,
+)
 from verl_klcov_global.modes import MODES
 
 #: A global mode may differ between micro-batch sizes by at most this many times vanilla's difference.
@@ -279,14 +281,11 @@ def plot(report: dict, path: str) -> None:
         f"epochs, {cfg['optimizer']} lr {cfg['lr']}, kl_cov_ratio {cfg['kl_cov_ratio']}, "
         f"clip_cov ratio {cfg['clip_cov_ratio']} "
         f"window ({cfg['clip_cov_lb']}, {cfg['clip_cov_ub']})", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.trajectory", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser("python -m experiments.trajectory", __doc__)
     add_output_arguments(parser)
     add_run_arguments(parser, steps_default=PICTURE_STEPS, jobs_default=None, seed_default=RunConfig.seed)
     parser.add_argument("--dp", action="store_true", help="also compare 2 data-parallel ranks with 1")
