@@ -23,6 +23,8 @@ from verl_klcov_global import driver
 from verl_klcov_global.lab import cpu as _cpu
 from experiments import local_trainer
 
+from .support.gloo import spawn_gloo
+
 RC = "algorithm.rollout_correction."
 ACTOR = "actor_rollout_ref.actor."
 KEYS = ("actor/kl_cov/selected", "actor/kl_cov/valid_tokens", "actor/pg_loss", "actor/ppo_kl", "actor/grad_norm")
@@ -159,11 +161,9 @@ def test_use_torch_compile_only_compiles_the_entropy_which_the_prepass_does_not_
     assert "calculate_entropy=False" in inspect.getsource(_prepass_module().compute_prepass_log_probs)
 
 
-def _fused_and_plain(rank, world_size, port, model_path, work_dir):
+def _fused_and_plain(rank, world_size, model_path, work_dir):
     """In a process of its own: verl's fused-kernel monkey patch replaces the HF model class's forward
     process-wide (Ray workers are processes of their own too), and would break later plain runs."""
-    _cpu.install_cpu_platform()
-    _cpu.init_process_group_cpu(rank, world_size, port)
     torch.set_num_threads(1)
     runs = {}
     for name, extra in (("plain", [f"{ACTOR}strategy=fsdp"]),
@@ -182,7 +182,7 @@ def test_fused_kernels_torch_backend_run_the_prepass_on_the_same_path(tiny_model
     the same key, so old log-probs, prepass and training forward all use the fused path. FSDP1: with
     fsdp2 on CPU verl's own fused forward fails in ``compute_log_prob`` (a plain tensor meets the
     DTensor lm_head weight), before any plugin code runs."""
-    (runs,) = _cpu.spawn(_fused_and_plain, 1, tiny_model_path, str(tmp_path))
+    (runs,) = spawn_gloo(_fused_and_plain, 1, tiny_model_path, str(tmp_path), verl_platform=True)
     (fused_selected, fused_params), (plain_selected, plain_params) = runs["fused"], runs["plain"]
     assert all(n >= 1 for n in fused_selected)
     assert fused_selected == plain_selected  # fp32 on CPU: the fused and the plain log-probs pick the same tokens

@@ -172,10 +172,7 @@ def test_sampled_masks_do_not_depend_on_micro_batching_or_earlier_calls(tiny_mod
               f"{len(layouts)} calls; 1 vs 8 micro-batches / control: {ratio:.2f}")
 
 
-def _dp_update(rank, world_size, port, model_path, batch_file, layout):
-    from verl_klcov_global.lab.cpu import init_process_group_cpu
-
-    init_process_group_cpu(rank, world_size, port)
+def _dp_update(rank, world_size, model_path, batch_file, layout):
     batch = torch.load(batch_file, weights_only=False)
     shard = _tiny.shard_for_rank(batch, rank, world_size)
     spec = EngineSpec(model_path)
@@ -188,7 +185,7 @@ def _dp_update(rank, world_size, port, model_path, batch_file, layout):
 @pytest.mark.distributed
 def test_sampled_mask_on_two_dp_ranks_is_the_single_rank_mask(tiny_model_path, padded_batch, tmp_path, capsys):
     """2 gloo ranks vs 1 process, the sampled case (~60 s)."""
-    from verl_klcov_global.lab.cpu import spawn
+    from ..support.gloo import spawn_gloo
 
     spec = EngineSpec(tiny_model_path)
     _, layout = dynamic_layouts(BATCH, SEQ, 8)
@@ -196,7 +193,7 @@ def test_sampled_mask_on_two_dp_ranks_is_the_single_rank_mask(tiny_model_path, p
               for mode in ("vanilla", "clip_cov_global")}
     batch_file = tmp_path / "batch.pt"
     torch.save(padded_batch, batch_file)
-    rank0, rank1 = spawn(_dp_update, 2, tiny_model_path, str(batch_file), layout)
+    rank0, rank1 = spawn_gloo(_dp_update, 2, tiny_model_path, str(batch_file), layout)
     mask = single["clip_cov_global"].masks[0]
     assert 0 < int(mask.sum()) < single["clip_cov_global"].figures[0]["candidates"]
     assert torch.equal(torch.cat([rank0["clip_cov_global"][1], rank1["clip_cov_global"][1]]), mask)

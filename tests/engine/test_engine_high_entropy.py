@@ -37,6 +37,8 @@ from verl_klcov_global.layout import fit_width, padded
 from verl_klcov_global.modes import CLIP_COV, HIGH_ENTROPY, KL_COV
 from verl_klcov_global.selection import high_entropy_quota
 
+from ..support.gloo import spawn_gloo
+
 pytestmark = pytest.mark.slow  # verl's real engine on CPU: the slow tier
 
 BATCH, PROMPT, RESPONSE = 32, 8, 48
@@ -260,12 +262,11 @@ def _sp_run(spec, batch, attention):
                 figures=outcomes["high_entropy_global"].figures[0], all_to_all=counts.all_to_all)
 
 
-def _dp_then_sp_updates(rank, world_size, port, model_path, dp_batch_file, dp_layout, sp_batch_file):
+def _dp_then_sp_updates(rank, world_size, model_path, dp_batch_file, dp_layout, sp_batch_file):
     """On 2 gloo processes (one spawn for both: starting them is the slow part): DP 2 on this rank's contiguous
     shard, then Ulysses SP 2 x DP 1 on the whole SP minibatch."""
     from ..support.ulysses import UlyssesEngineSpec, cpu_varlen_attention
 
-    _cpu.init_process_group_cpu(rank, world_size, port)
     shard = _tiny.shard_for_rank(torch.load(dp_batch_file, weights_only=False), rank, world_size)
     dp = {mode: one_update(EngineSpec(model_path), shard, actor_config_for(mode), dp_layout) for mode in MODES}
     sp = _sp_run(UlyssesEngineSpec(model_path, sp_size=2), torch.load(sp_batch_file, weights_only=False),
@@ -292,7 +293,7 @@ def test_dp_2_and_ulysses_sp_2_give_the_single_process_mask_figures_and_update(t
     files = tmp_path / "dp.pt", tmp_path / "sp.pt"
     torch.save(dp_batch, files[0])
     torch.save(sp_batch, files[1])
-    rank0, rank1 = _cpu.spawn(_dp_then_sp_updates, 2, tiny_model_path, str(files[0]), dp_layout, str(files[1]))
+    rank0, rank1 = spawn_gloo(_dp_then_sp_updates, 2, tiny_model_path, str(files[0]), dp_layout, str(files[1]))
 
     ours_dp = [rank["dp"]["high_entropy_global"] for rank in (rank0, rank1)]
     width = dp_single["high_entropy_global"].masks[0].shape[1]

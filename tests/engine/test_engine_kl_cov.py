@@ -109,11 +109,8 @@ def test_bf16_masks_do_not_depend_on_training_micro_batches(tiny_model_path):
         assert torch.equal(outcomes[0].masks[0], outcomes[1].masks[0])
 
 
-def _dp_updates(rank, world_size, port, model_path, batch_file, layout):
+def _dp_updates(rank, world_size, model_path, batch_file, layout):
     """One update per mode on this rank's contiguous shard of the saved minibatch."""
-    from verl_klcov_global.lab.cpu import init_process_group_cpu
-
-    init_process_group_cpu(rank, world_size, port)
     batch = torch.load(batch_file, weights_only=False)
     shard = _tiny.shard_for_rank(batch, rank, world_size)
     spec = EngineSpec(model_path)
@@ -124,7 +121,7 @@ def _dp_updates(rank, world_size, port, model_path, batch_file, layout):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_dp_ranks_give_the_single_rank_mask_and_update(tiny_model_path, tmp_path, capsys):
-    from verl_klcov_global.lab.cpu import spawn
+    from ..support.gloo import spawn_gloo
 
     spec = EngineSpec(tiny_model_path)
     _, layout = dynamic_layouts(BATCH, SEQ, 8)  # 8 sequences per micro-batch: 8 on 1 rank, 4 per rank on 2
@@ -134,7 +131,7 @@ def test_two_dp_ranks_give_the_single_rank_mask_and_update(tiny_model_path, tmp_
         single = {mode: one_update(spec, batch, actor_config_for(mode), layout) for mode in ("vanilla", "kl_cov_global")}
         batch_file = tmp_path / f"batch{seed}.pt"
         torch.save(batch, batch_file)
-        rank0, rank1 = spawn(_dp_updates, 2, tiny_model_path, str(batch_file), layout)
+        rank0, rank1 = spawn_gloo(_dp_updates, 2, tiny_model_path, str(batch_file), layout)
 
         assert torch.equal(torch.cat([rank0["kl_cov_global"][1], rank1["kl_cov_global"][1]]),
                            single["kl_cov_global"].masks[0])

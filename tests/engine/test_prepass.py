@@ -34,6 +34,8 @@ from verl_klcov_global.config import KLCovGlobalSettings
 from verl_klcov_global.modes import KL_COV
 from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch
 
+from ..support.gloo import spawn_gloo
+
 pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
 
 ROWS, PROMPT, RESPONSE = 13, 8, 32
@@ -106,10 +108,8 @@ def test_static_chunk_sizes_without_a_group(rows, size, expected):
     assert engine_prepass.static_prepass_chunk_sizes(rows, size) == expected
 
 
-def _agree(rank, world_size, port, scenarios, size):
+def _agree(rank, world_size, scenarios, size):
     """``static_prepass_chunk_sizes`` on this rank for each (rows of rank 0, rows of rank 1); errors as text."""
-    _cpu.install_cpu_platform()  # the collective's tensor goes where verl's platform says (here: CPU, gloo)
-    _cpu.init_process_group_cpu(rank, world_size, port)
     import torch.distributed as dist
 
     results = []
@@ -126,7 +126,8 @@ def _agree(rank, world_size, port, scenarios, size):
 def test_static_chunk_count_is_agreed_over_the_dp_group_or_every_rank_raises():
     # 13 and 5 rows at size 8: alone, rank 1 would run 1 forward and rank 0 two (FSDP would hang);
     # 17 and 2 rows: 3 forwards, which rank 1 cannot fill: both ranks raise the same error, then go on
-    rank0, rank1 = _cpu.spawn(_agree, 2, [(13, 5), (17, 2), (16, 16)], 8)
+    rank0, rank1 = spawn_gloo(_agree, 2, [(13, 5), (17, 2), (16, 16)], 8,
+                              verl_platform=True)  # the collective's tensor goes where verl's platform says
     assert [rank0[0], rank1[0]] == [[7, 6], [3, 2]]
     assert rank0[1] == rank1[1] and rank0[1].startswith("ValueError") and "between 2 and 17 rows" in rank0[1]
     assert rank0[2] == rank1[2] == [8, 8]

@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verl_klcov_global.lab import cpu as _cpu
 from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.lab.experiment import MicroBatchLayout, frozen_minibatch, max_abs_diff, one_update
 from verl_klcov_global.layout import fit_width
 from verl_klcov_global.engine.step import observe_selections
 
+from ..support.gloo import spawn_gloo
 from ..support.ulysses import UlyssesEngineSpec, cpu_varlen_attention, varlen_attention_cpu
 
 pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
@@ -66,9 +66,8 @@ def _updates(spec: UlyssesEngineSpec, batch) -> dict:
                 all_to_all=counts.all_to_all)
 
 
-def _sp_rank_updates(rank, world_size, port, model_path, batch_file, sp_size):
+def _sp_rank_updates(rank, world_size, model_path, batch_file, sp_size):
     """Spawn target: this rank's DP shard (rank // sp_size; verl's mesh is (dp, sp)), one update per mode."""
-    _cpu.init_process_group_cpu(rank, world_size, port)
     batch = torch.load(batch_file, weights_only=False)
     dp_size = world_size // sp_size
     shard = _tiny.shard_for_rank(batch, rank // sp_size, dp_size)
@@ -103,7 +102,7 @@ def test_ulysses_sp_gives_the_single_process_mask_counts_and_update(
 
     batch_file = tmp_path / "batch.pt"
     torch.save(batch, batch_file)
-    ranks = _cpu.spawn(_sp_rank_updates, sp_size * dp_size, tiny_model_path, str(batch_file), sp_size)
+    ranks = spawn_gloo(_sp_rank_updates, sp_size * dp_size, tiny_model_path, str(batch_file), sp_size)
 
     for rank, out in enumerate(ranks):
         # verl's Ulysses path ran: 4 all-to-alls per attention forward (q, k, v, output), heads split over SP.

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ..support.counting_dist import CountingDist
-from verl_klcov_global.lab.cpu import init_process_group_cpu, spawn
+from ..support.gloo import spawn_gloo
 from verl_klcov_global.selection import collectives
 from verl_klcov_global.selection.collectives import (
     RADIX_BINS,
@@ -106,8 +106,7 @@ def _key_cases():
     return cases
 
 
-def _run_key_cases(rank, world_size, port):
-    init_process_group_cpu(rank, world_size, port)
+def _run_key_cases(rank, world_size):
     counting = CountingDist()
     collectives.dist = counting
     out = []
@@ -128,7 +127,7 @@ def _run_key_cases(rank, world_size, port):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_ranks_mark_the_single_process_keys_with_a_bounded_exchange():
-    per_rank = spawn(_run_key_cases, 2)
+    per_rank = spawn_gloo(_run_key_cases, 2)
     bound = RADIX_ROUNDS * RADIX_BINS * 4 + 8  # int32 bins, then one 8-byte collective
     for rank_results in per_rank:
         for result in rank_results:

@@ -7,11 +7,11 @@ import torch
 import torch.distributed as dist
 
 from verl_klcov_global.selection import collectives
-from verl_klcov_global.lab.cpu import init_process_group_cpu, spawn
 from verl_klcov_global.selection import select_kl_cov_tokens
 from verl_klcov_global.selection.collectives import RADIX_BINS, RADIX_ROUNDS
 
 from ..support.batches import random_minibatch
+from ..support.gloo import spawn_gloo
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 2 gloo processes, ~30 s each
 
@@ -60,8 +60,7 @@ class _CountingDist:
         return dist.all_gather(outputs, tensor, *args, **kwargs)
 
 
-def _run_cases(rank, world_size, port):
-    init_process_group_cpu(rank, world_size, port)
+def _run_cases(rank, world_size):
     counting = _CountingDist()
     collectives.dist = counting
     results = []
@@ -86,7 +85,7 @@ def _run_cases(rank, world_size, port):
 
 
 def test_two_ranks_give_the_single_process_mask_bit_for_bit():
-    per_rank = spawn(_run_cases, 2)
+    per_rank = spawn_gloo(_run_cases, 2)
     for rank_results in per_rank:
         for result in rank_results:
             assert result["equal"], result["name"]
@@ -97,8 +96,7 @@ def test_two_ranks_give_the_single_process_mask_bit_for_bit():
             assert result["numbers_sent"] <= 5 + 2 + RADIX_ROUNDS * RADIX_BINS + 1 + 4, result
 
 
-def _disagreeing_ratios(rank, world_size, port):
-    init_process_group_cpu(rank, world_size, port)
+def _disagreeing_ratios(rank, world_size):
     a, lp, m = random_minibatch(3, batch=4, length=8)
     try:
         select_kl_cov_tokens(a, lp, m, 0.1 if rank == 0 else 0.2, group=dist.group.WORLD)
@@ -110,7 +108,7 @@ def _disagreeing_ratios(rank, world_size, port):
 
 
 def test_ranks_disagreeing_on_the_ratio_all_raise_instead_of_hanging():
-    messages = spawn(_disagreeing_ratios, 2)
+    messages = spawn_gloo(_disagreeing_ratios, 2)
     assert all(m is not None and "disagree on kl_cov_ratio" in m for m in messages), messages
 
 
@@ -145,12 +143,11 @@ def _clip_cov_cases():
     return cases
 
 
-def _run_clip_cov_cases(rank, world_size, port):
+def _run_clip_cov_cases(rank, world_size):
     from verl_klcov_global.selection import select_clip_cov_tokens
 
     from ..support.batches import reference_candidates
 
-    init_process_group_cpu(rank, world_size, port)
     counting = _CountingDist()
     collectives.dist = counting
     results = []
@@ -179,7 +176,7 @@ def _run_clip_cov_cases(rank, world_size, port):
 
 
 def test_clip_cov_two_ranks_give_the_single_process_sample_bit_for_bit():
-    per_rank = spawn(_run_clip_cov_cases, 2)
+    per_rank = spawn_gloo(_run_clip_cov_cases, 2)
     for rank_results, disagreement in per_rank:
         assert disagreement is not None and "disagree on clip_cov_seed" in disagreement, disagreement
         assert sum(r["sampled"] for r in rank_results) >= 10  # most cases draw (quota < candidates)

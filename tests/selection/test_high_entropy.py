@@ -208,15 +208,13 @@ def _sharded_cases():
     return cases
 
 
-def _run_sharded(rank, world_size, port):
+def _run_sharded(rank, world_size):
     import torch.distributed as dist
 
-    from verl_klcov_global.lab.cpu import init_process_group_cpu
     from verl_klcov_global.selection import collectives
 
     from ..support.counting_dist import CountingDist
 
-    init_process_group_cpu(rank, world_size, port)
     counting = CountingDist()
     collectives.dist = counting
     results = []
@@ -248,9 +246,9 @@ def _run_sharded(rank, world_size, port):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_give_the_single_process_selection_and_figures_bit_for_bit():
-    from verl_klcov_global.lab.cpu import spawn
+    from ..support.gloo import spawn_gloo
 
-    (rank0, disagreement0), (rank1, disagreement1) = spawn(_run_sharded, 2)
+    (rank0, disagreement0), (rank1, disagreement1) = spawn_gloo(_run_sharded, 2)
     for disagreement in (disagreement0, disagreement1):
         assert disagreement is not None and "disagree on entropy_top_ratio" in disagreement
     for results in (rank0, rank1):
