@@ -87,7 +87,8 @@ def _run_one(run: RunConfig, *, model_path: str, work_dir: str, quiet: bool) -> 
 
     from .learning_task import write_dataset
 
-    run_dir = os.path.join(work_dir, run.label().replace(" ", "_"))
+    # no "=" in the name: the folder's paths go into Hydra overrides
+    run_dir = os.path.join(work_dir, f"{run.loss_mode}-mbs{run.micro_batch_size}-dp{run.world_size}")
     os.makedirs(run_dir, exist_ok=True)
     with quiet_verl() if quiet else contextlib.nullcontext():
         started = time.perf_counter()

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
+import traceback
 from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["new_parser", "load_pyplot", "save_figure", "add_output_arguments", "add_run_arguments", "redraw_from_json", "write_outputs",
@@ -107,8 +109,19 @@ def write_outputs(report: dict, args: argparse.Namespace, format_report: Callabl
 
 
 def _call_indexed(task: tuple) -> tuple[int, Any]:
+    """A job process's task; an exception that would not unpickle in the parent (which would leave the pool
+    waiting for ever) goes back as a RuntimeError with the task's traceback."""
     fn, index, item = task
-    return index, fn(item)
+    try:
+        return index, fn(item)
+    except Exception as error:
+        text = traceback.format_exc()
+        try:
+            pickle.loads(pickle.dumps(error))
+        except Exception:
+            raise RuntimeError(f"task {index} ({item!r}) raised {type(error).__name__}, which does not pickle; "
+                               f"its traceback in the job process:\n{text}") from None
+        raise
 
 
 def run_in_jobs(fn: Callable[[Any], Any], items: Sequence[Any], *, jobs: int,

@@ -64,3 +64,25 @@ def test_run_in_jobs_runs_in_other_processes():
 
 def _pid(_item) -> int:
     return os.getpid()
+
+
+class _Unpicklable(Exception):
+    def __init__(self, message, detail):  # pickling keeps args=(message,) only: unpickling fails
+        super().__init__(message)
+
+
+def _fail(item):
+    raise _Unpicklable(f"item {item}", "detail")
+
+
+def test_a_failing_task_is_raised_here_even_when_its_exception_does_not_pickle():
+    import pytest
+
+    with pytest.raises(RuntimeError, match=r"(?s)task 0 \(7\) raised _Unpicklable.*item 7"):
+        run_in_jobs(_fail, [7], jobs=2)
+    with pytest.raises(ZeroDivisionError):
+        run_in_jobs(_divide, [0], jobs=2)
+
+
+def _divide(item):
+    return 1 / item
