@@ -247,7 +247,10 @@ def summarize(study: dict) -> dict:
                "final_reward_mean": sum(rewards) / len(rewards), "final_reward_interval": bootstrap_interval(rewards),
                "median_found_step": statistics.median(found) if found else None,
                "entropy_end_mean": sum(x["entropy_end"] for x in o) / len(o),
-               "collapsed_before_found": sum(x["collapsed_before_found"] for x in o)}
+               "collapsed_before_found": sum(x["collapsed_before_found"] for x in o),
+               # descriptive, not a criterion stated before the runs: where P's exact probability ended
+               "pattern_probability_end_median": statistics.median(x["pattern_probability_end"] for x in o),
+               "pattern_probability_rose": sum(x["pattern_probability_end"] > x["pattern_probability_start"] for x in o)}
         table[name] = row
     differences = {}
     for name in table:
@@ -257,8 +260,11 @@ def summarize(study: dict) -> dict:
             continue
         reward = [a["final_reward"] - b["final_reward"] for a, b in pairs]
         found = [float(a["found_step"] is not None) - float(b["found_step"] is not None) for a, b in pairs]
+        exact = [a["pattern_probability_end"] - b["pattern_probability_end"] for a, b in pairs]
         differences[name] = {"final_reward": sum(reward) / len(reward), "final_reward_interval": bootstrap_interval(reward),
-                             "found_share": sum(found) / len(found), "found_share_interval": bootstrap_interval(found)}
+                             "found_share": sum(found) / len(found), "found_share_interval": bootstrap_interval(found),
+                             "pattern_probability_end": sum(exact) / len(exact),
+                             "pattern_probability_end_interval": bootstrap_interval(exact)}
     sizes = {}
     for mode in UPSTREAM_MODES:
         small, large = (f"{mode}/mbs{size}" for size in MICRO_BATCH_SIZES)
@@ -360,23 +366,30 @@ def format_report(study: dict) -> str:
                      f"before finding P on {p['vanilla_collapsed_before_found']}/{p['seeds']} seeds "
                      f"(Wilson {p['vanilla_collapsed_before_found_interval'][0]:.2f}-"
                      f"{p['vanilla_collapsed_before_found_interval'][1]:.2f})")
-    lines.append("configuration                   found P (Wilson 95%)      final reward (bootstrap 95%)  "
+    lines.append("configuration                     found P (Wilson 95%)      final reward (bootstrap 95%)  "
                  "median found step  end entropy")
     for name, row in summary["table"].items():
         lo, hi = row["found_share_interval"]
         rlo, rhi = row["final_reward_interval"]
         step = "-" if row["median_found_step"] is None else f"{row['median_found_step']:g}"
-        lines.append(f"{name:31s} {row['found']}/{row['seeds']} = {row['found_share']:.2f} [{lo:.2f}, {hi:.2f}]   "
+        lines.append(f"{name:33s} {row['found']}/{row['seeds']} = {row['found_share']:.2f} [{lo:.2f}, {hi:.2f}]   "
                      f"{row['final_reward_mean']:.3f} [{rlo:.3f}, {rhi:.3f}]        {step:>6s}          "
                      f"{row['entropy_end_mean']:.3f}")
-    lines.append("paired difference to vanilla (mean over seeds, bootstrap 95%): final reward | found-P share")
+    lines.append("P's exact probability at the last step (descriptive, not a criterion fixed before the runs): "
+                 "median over seeds; seeds where it ended above its start")
+    for name, row in summary["table"].items():
+        lines.append(f"  {name:33s} {row['pattern_probability_end_median']:.3f}; {row['pattern_probability_rose']}/"
+                     f"{row['seeds']}")
+    lines.append("paired difference to vanilla (mean over seeds, bootstrap 95%): final reward | found-P share | "
+                 "P's exact probability at the last step")
     for name, d in summary["differences_to_vanilla"].items():
-        lines.append(f"  {name:29s} {d['final_reward']:+.3f} {_interval(d['final_reward_interval'])} | "
-                     f"{d['found_share']:+.3f} {_interval(d['found_share_interval'])}")
+        lines.append(f"  {name:33s} {d['final_reward']:+.3f} {_interval(d['final_reward_interval'])} | "
+                     f"{d['found_share']:+.3f} {_interval(d['found_share_interval'])} | "
+                     f"{d['pattern_probability_end']:+.3f} {_interval(d['pattern_probability_end_interval'])}")
     sizes = study["settings"]["micro_batch_sizes"]
     lines.append(f"upstream, micro-batch {sizes[0]} minus {sizes[-1]} (paired): final reward | end entropy")
     for mode, d in summary["upstream_small_minus_large"].items():
-        lines.append(f"  {mode:29s} {d['final_reward']:+.3f} {_interval(d['final_reward_interval'])} | "
+        lines.append(f"  {mode:33s} {d['final_reward']:+.3f} {_interval(d['final_reward_interval'])} | "
                      f"{d['entropy_end']:+.3f} {_interval(d['entropy_end_interval'])}")
     lines.append("global modes, spot-check at both micro-batch sizes:")
     for key, s in summary["spot_checks"].items():
@@ -388,7 +401,7 @@ def format_report(study: dict) -> str:
             what = (f"rollouts part at step {s['first_differing_rollout_step']} (max |entropy diff| before: "
                     f"{s['entropy_max_abs_diff_while_rollouts_identical']:.2e}), {counts}; over the run max |entropy "
                     f"diff| {s['entropy_max_abs_diff']:.2e}, |reward diff| {s['reward_max_abs_diff']:.2e}")
-        lines.append(f"  {key:27s} {what}")
+        lines.append(f"  {key:33s} {what}")
     return "\n".join(lines)
 
 

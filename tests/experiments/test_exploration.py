@@ -4,8 +4,13 @@ The slow test trains the 64-id tiny Qwen2 on the deceptive task with the study's
 (:data:`experiments.exploration.BASE`) for :data:`PREMISE_STEPS` steps under ``vanilla`` and asserts the
 premise the study rests on: E's share of the response tokens rises and P's exact probability (from the
 policy's log-probs, not counted from samples) ends below its start -- vanilla drifts toward the easy
-optimum and away from the better mode. It can fail: the same run with P given E's reward (the hidden
-ids counted in the easy set, no bonus) must *not* satisfy the premise, and the test checks that too.
+optimum and away from the better mode. It can fail: the same run, as long, on a task whose easy path
+leads to P (the easy set *is* the hidden ids) must *not* satisfy the premise, and the test checks that.
+
+(Measured by hand, seed 2, 26 steps: giving P's ids E's reward instead -- the hidden ids added to the
+easy set, no bonus -- does not break these assertions: the 11 equally rewarded ids compete, GRPO
+concentrates on a few, and here the hidden ids lose, so P's probability falls, 0.046 -> 0.013, as it
+does on the real task. At 12 steps it is still rising. With the easy set the hidden ids, it ends at 0.73.)
 
 It also runs each global mode for :data:`COUNT_STEPS` steps at both of the study's micro-batch sizes and
 asserts that the per-step selection counts (and the sampled rollouts) are identical: why the study runs
@@ -37,11 +42,10 @@ from experiments.exploration_task import TASK, DeceptiveTask
 #: while GRPO still samples P, falls below its start before this many steps as E takes over.
 PREMISE_SEED = 2
 PREMISE_STEPS = 26
-BROKEN_STEPS = 12
 COUNT_STEPS = 4
 
-#: P given E's reward: the hidden ids count as easy ids, and showing P earns nothing more.
-P_GETS_E_REWARD = replace(TASK, easy_ids=TASK.easy_ids + TASK.hidden_ids, pattern_bonus=0.0)
+#: The premise broken: the easy path leads to P (E's reward goes to the hidden ids, and E is only them).
+P_ON_THE_EASY_PATH = replace(TASK, easy_ids=TASK.hidden_ids)
 
 
 def _study(plans, base, task=TASK):
@@ -58,7 +62,7 @@ def test_task_reward_and_exact_probability():
     assert TASK.reward([TASK.hidden_ids[0]] + [TASK.easy_ids[0]] * 7) == pytest.approx(1.0 + 0.5 * 7 / 8)
     assert TASK.reward([TASK.easy_ids[0]] * 8) == 0.5 and TASK.reward([5] * 8) == 0.0
     assert not TASK.shows_pattern([5, TASK.hidden_ids[0]]) and not TASK.shows_pattern([])
-    assert P_GETS_E_REWARD.reward([TASK.hidden_ids[0]] + [5] * 7) == 0.5 / 8
+    assert P_ON_THE_EASY_PATH.reward([TASK.hidden_ids[0]] + [5] * 7) == 1.0 + 0.5 / 8
 
     class Uniform:  # logits of 0 everywhere: P's exact probability is len(hidden)/64
         def __call__(self, input_ids):
@@ -82,7 +86,7 @@ def test_statistics():
 
 
 @pytest.mark.slow
-def test_premise_holds_under_vanilla_and_fails_when_p_gets_e_reward():
+def test_premise_holds_under_vanilla_and_fails_when_the_easy_path_leads_to_p():
     base = replace(BASE, steps=PREMISE_STEPS)
     run = _study([_plan("vanilla", 4, PREMISE_SEED, PREMISE_STEPS)], base)["runs"][f"vanilla/seed{PREMISE_SEED}"]
     premise = vanilla_premise(run["curves"])
@@ -90,11 +94,10 @@ def test_premise_holds_under_vanilla_and_fails_when_p_gets_e_reward():
     assert premise["easy_share_rises"], premise
     assert premise["pattern_probability_falls"], premise
 
-    broken_base = replace(BASE, steps=BROKEN_STEPS)
-    broken = _study([_plan("vanilla", 4, PREMISE_SEED, BROKEN_STEPS)], broken_base,
-                    P_GETS_E_REWARD)["runs"][f"vanilla/seed{PREMISE_SEED}"]
+    broken = _study([_plan("vanilla", 4, PREMISE_SEED, PREMISE_STEPS)], base,
+                    P_ON_THE_EASY_PATH)["runs"][f"vanilla/seed{PREMISE_SEED}"]
     broken_premise = vanilla_premise(broken["curves"])
-    assert 0.02 <= broken_premise["pattern_probability_start"] <= 0.10, broken_premise  # the same initial model
+    assert broken_premise["pattern_probability_start"] == premise["pattern_probability_start"]  # same model, prompts
     assert not broken_premise["pattern_probability_falls"], broken_premise
 
 
