@@ -14,7 +14,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: Bottom first; a module may import modules of its own layer or of layers below it.
 LAYERS = [
-    ["selection", "seams", "layout", "install_hint", "configs"],
+    ["selection", "seams", "layout", "install_hint", "configs", "quiet_start"],
     ["config"],
     ["loss"],
     ["modes"],

@@ -11,9 +11,14 @@ prepass, instead of one per micro-batch. Select one with
 
 from importlib import metadata as _metadata
 
-import verl  # noqa: F401  (loads verl's entry-point plugins first, this one included)
+from .quiet_start import quiet_verl_import as _quiet_verl_import
 
-from . import seams as _seams
+# In the plugin's own command (not --verbose) verl's import-time warnings stay hidden until _quiet.close() below.
+_quiet = _quiet_verl_import()
+
+import verl  # noqa: E402,F401  (loads verl's entry-point plugins first, this one included)
+
+from . import seams as _seams  # noqa: E402
 
 try:
     _seams.check_seams()  # a moved verl seam fails here, by name, before anything is patched or registered
@@ -49,6 +54,8 @@ from .selection import (
     select_high_entropy_tokens,
     select_kl_cov_tokens,
 )
+
+_quiet.close()
 
 try:  # the one version string is pyproject.toml's, read from the installed metadata
     __version__ = _metadata.version("verl-klcov-global")
