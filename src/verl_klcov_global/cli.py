@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 from typing import Optional, Sequence
@@ -24,8 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
             "One optimizer update per (mode, layout) on a frozen minibatch through verl's real FSDP engine: "
             "1 micro-batch vs N, for vanilla (penalty-free control) and each global mode with its verl counterpart ("
             + ", ".join(f"{mode.upstream} and {name}" for name, mode in MODES.items())
-            + "; modes whose upstream draws at random also run the same update twice). Exit status 0 when every "
-            "global mode's masks are identical and its parameter differences stay within 10x the control's."
+            + "; modes whose upstream draws at random also run the same update twice). Any other loss in verl's "
+            "policy-loss registry (--loss-mode NAME, after --import MODULE) is judged by measurement: 1 vs N "
+            "micro-batches, static and dynamic, and a repeated update with the generators in another state, each "
+            "against the control. Exit status 0 when every mode or loss diagnosed is invariant (masks identical, "
+            "parameter differences within 10x the control's), 1 when one is not, 2 for bad input."
         ),
     )
     # Absent options leave no attribute, so --config-name can tell which were given (_usage_errors);
@@ -44,8 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("--response-len", type=int, help="default 128")
     add("--kl-cov-ratio", type=float, help="default 0.0002")
     add("--ppo-kl-coef", type=float, help="default 1.0")
-    add("--loss-mode", choices=["all", *MODES],
-        help="which global modes to diagnose (default all; with --config-name: the one your loss_mode names, else all)")
+    add("--loss-mode", metavar="NAME",
+        help=f"what to diagnose: all (the default: every mode of the plugin's table), one of them "
+             f"({', '.join(MODES)}), or any other loss in verl's POLICY_LOSS_REGISTRY, e.g. your own registered by "
+             "--import (judged by measurement). With --config-name: the loss_mode your config names")
+    add("--import", dest="imports", action="append", metavar="MODULE",
+        help="import MODULE first, as verl's VERL_USE_EXTERNAL_MODULES does: the module that registers your loss "
+             "with verl's register_policy_loss (repeatable; the current directory is importable)")
+    add("--all-registered", action="store_true",
+        help="diagnose every loss verl itself registers (by module: not the plugin's, not yours), judged by "
+             "measurement, and print a table of them")
+    add("--verbose", action="store_true",
+        help="show verl's own warnings and logs (at import and while the engines work); hidden by default")
     add("--clip-cov-ratio", type=float, help="Clip-Cov quota fraction (default 0.002; verl's default 0.0002)")
     add("--clip-cov-lb", type=float,
         help="Clip-Cov window's lower bound (default 0.3, for the tiny model's small covariances; verl's default 1.0)")
@@ -99,6 +113,8 @@ CONFIG_KEYS = {
     "strategy": "actor_rollout_ref.actor.strategy",
 }
 _CONFIG_ONLY = ("config_path", "overrides", "max_tokens", "tiny_model")
+#: options that a --config-name run takes too, and copies into the planned DiagnoseOptions
+_RUN_OPTIONS = ("imports", "verbose")
 
 
 def _add_suppressed(parser: argparse.ArgumentParser, *names: str, **kwargs):
@@ -111,6 +127,9 @@ def _option_name(dest: str) -> str:
 
 
 def _usage_errors(given: dict) -> list[str]:
+    if given.get("all_registered") and (given.get("loss_mode") or given.get("config_name")):
+        return ["--all-registered runs every loss verl registers with diagnose's defaults; drop "
+                + ("--loss-mode" if given.get("loss_mode") else "--config-name")]
     if given.get("config_name"):
         return [f"{_option_name(dest)} comes from your training config with --config-name; override "
                 f"{CONFIG_KEYS[dest]} instead" for dest in CONFIG_KEYS if dest in given]
@@ -125,6 +144,10 @@ def _diagnose(given: dict) -> int:
         errors = _usage_errors(given)
         if errors:
             raise DiagnoseError("; ".join(errors))
+        given["imports"] = tuple(given.get("imports") or ())
+        from .lab.user_losses import import_user_modules
+
+        import_user_modules(given["imports"])  # before the config (its _target_ may be theirs) and the name check
         extra = None
         if given.get("config_name"):
             from .lab.user_config import plan_for
@@ -134,7 +157,8 @@ def _diagnose(given: dict) -> int:
                             tiny_model=bool(given.get("tiny_model")), blocks=given.get("blocks"),
                             seed=given.get("seed", 0), loss_mode=given.get("loss_mode"),
                             json_path=given.get("json_path"))
-            options, extra = plan.options, plan.to_json()
+            run_options = {name: given[name] for name in _RUN_OPTIONS if name in given}
+            options, extra = dataclasses.replace(plan.options, **run_options), plan.to_json()
         else:
             options = DiagnoseOptions(**{k: v for k, v in given.items() if k not in ("config_name",) + _CONFIG_ONLY})
         report = run_diagnose(options, extra=extra)

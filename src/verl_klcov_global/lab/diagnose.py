@@ -82,6 +82,16 @@ class DiagnoseOptions:
     #: also run kl_cov_global with the other prepass layout (``kl_cov_global[prepass=train]``) when
     #: ``prepass_layout`` is infer; ``--config-name`` runs only the config's layout
     compare_prepass_layouts: bool = True
+    #: a loss outside the table (``--loss-mode NAME`` with ``--config-name``): the user's ``actor.policy_loss``
+    #: as composed (``_target_`` included: verl's PolicyLossConfig or the user's class); None: verl's
+    #: ``PolicyLossConfig`` with diagnose's KL-Cov/Clip-Cov knobs and verl's defaults for the rest
+    policy_loss: Optional[dict] = None
+    #: ``--all-registered``: every loss verl itself registers (lab/user_losses.py), judged by measurement
+    all_registered: bool = False
+    #: ``--import``: the modules imported before the loss name was checked (recorded for the report)
+    imports: tuple = ()
+    #: ``--verbose``: verl's own warnings and logs are shown (at import and while the engines work)
+    verbose: bool = False
 
     @property
     def explicit_layout(self) -> bool:
@@ -104,13 +114,12 @@ def validate(options: DiagnoseOptions) -> DiagnoseOptions:
             raise DiagnoseError("--device cuda: no CUDA device is visible; use --device cpu")
     if options.dtype not in ("fp32", "bf16"):
         raise DiagnoseError(f"--dtype must be fp32 or bf16, got {options.dtype!r}")
-    from .experiment import registered_global_modes
+    from .user_losses import check_loss_mode
 
-    if options.loss_mode != "all" and options.loss_mode not in registered_global_modes():
-        raise DiagnoseError(
-            f"--loss-mode {options.loss_mode!r} is not a mode this plugin registered; choose all or one of "
-            f"{registered_global_modes()}"
-        )
+    if options.all_registered and options.loss_mode != "all":
+        raise DiagnoseError("--all-registered runs every loss verl registers; drop --loss-mode "
+                            f"{options.loss_mode}")
+    check_loss_mode(options.loss_mode)  # after --import: a user's loss is registered by now
     from ..modes import MODES
 
     ratio = options.entropy_top_ratio
@@ -118,11 +127,17 @@ def validate(options: DiagnoseOptions) -> DiagnoseOptions:
         raise DiagnoseError(f"--entropy-top-ratio must be a fraction in (0, 1] (0.2 keeps the top 20% of tokens), "
                             f"got {ratio!r}")
     try:
+        measured = measured_losses_of(options)
         for mode, spec in MODES.items():  # each mode's config class validates its knobs and the actor fields
-            if spec.config_class is not None:
+            if spec.config_class is not None and not measured:
                 _actor_config(options, mode)
+        for loss in measured:
+            _actor_config(options, loss)
     except ValueError as error:
         raise DiagnoseError(str(error)) from None
+    except Exception as error:  # the user's policy_loss config class (Hydra instantiate): say which
+        raise DiagnoseError(f"cannot build the policy_loss config of {options.loss_mode!r} from "
+                            f"{options.policy_loss}: {type(error).__name__}: {error}") from None
     if options.strategy not in ("fsdp", "fsdp2"):
         raise DiagnoseError(f"--strategy must be fsdp or fsdp2, got {options.strategy!r}")
     if options.blocks < 1:
@@ -180,10 +195,22 @@ def _progress(message: str) -> None:
 
 
 def global_modes_of(options: DiagnoseOptions) -> tuple[str, ...]:
-    """The global modes this run diagnoses."""
+    """The global modes (of the table) this run diagnoses; none when it judges losses by measurement."""
     from .experiment import registered_global_modes
 
+    if measured_losses_of(options):
+        return ()
     return registered_global_modes() if options.loss_mode == "all" else (options.loss_mode,)
+
+
+def measured_losses_of(options: DiagnoseOptions) -> tuple[str, ...]:
+    """The losses outside the table this run judges by measurement (lab/measured.py): verl's own with
+    ``--all-registered``, the one ``--loss-mode`` names, or none."""
+    from .user_losses import is_measured_loss, verl_own_losses
+
+    if options.all_registered:
+        return verl_own_losses()
+    return (options.loss_mode,) if is_measured_loss(options.loss_mode) else ()
 
 
 def _actor_config(options: DiagnoseOptions, mode: str):
@@ -206,6 +233,8 @@ def _actor_config(options: DiagnoseOptions, mode: str):
         knobs = {key: getattr(options, key) for key in spec.knobs if key != "prepass_layout"}
         policy_loss = spec.config_class(prepass_layout=forced_layout or options.prepass_layout, **knobs)
         return _tiny.make_actor_config(policy_loss=policy_loss, **actor)
+    if mode in measured_losses_of(options):
+        return _tiny.make_actor_config(policy_loss=_measured_policy_loss(options, mode), **actor)
     counts = upstream_counts(mode)
     if counts is not None:
         knobs = {key: getattr(options, key) for key in counts.knobs if key not in counts.plugin_knobs}
@@ -215,6 +244,20 @@ def _actor_config(options: DiagnoseOptions, mode: str):
         return _tiny.make_actor_config(policy_loss=PolicyLossConfig(loss_mode=mode, **knobs), **actor)
     return _tiny.make_actor_config(loss_mode=mode, kl_cov_ratio=options.kl_cov_ratio,
                                    ppo_kl_coef=options.ppo_kl_coef, **actor)
+
+
+def _measured_policy_loss(options: DiagnoseOptions, loss: str):
+    """The policy_loss config of a loss outside the table: the user's (``options.policy_loss``, through its
+    ``_target_`` as verl builds it), else verl's ``PolicyLossConfig`` with diagnose's knobs."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import PolicyLossConfig
+
+    if options.policy_loss is not None:
+        node = {**options.policy_loss, "loss_mode": loss}
+        return omega_conf_to_dataclass(node, None if "_target_" in node else PolicyLossConfig)
+    return PolicyLossConfig(loss_mode=loss, kl_cov_ratio=options.kl_cov_ratio, ppo_kl_coef=options.ppo_kl_coef,
+                            clip_cov_ratio=options.clip_cov_ratio, clip_cov_lb=options.clip_cov_lb,
+                            clip_cov_ub=options.clip_cov_ub)
 
 
 def layouts_of(options: DiagnoseOptions):
@@ -238,18 +281,23 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
     """Run the experiment; return the report (also written to ``options.json_path`` when set).
 
     ``extra``: more report keys, e.g. ``--config-name``'s settings table (``lab/user_config.py``).
+    A loss outside the table (``--loss-mode NAME``, ``--all-registered``) is judged by measurement
+    (:mod:`.measured`); one named by ``--loss-mode`` that raises in its update is a :class:`DiagnoseError`.
     """
     import torch
 
+    from . import measured as _measured
     from . import tiny as _tiny
     from ..modes import MODES
     from .experiment import TRAIN_LAYOUT_SUFFIX, EngineSpec, compared_modes, frozen_minibatch, run_block
 
     options = validate(options)
+    measured = measured_losses_of(options)
+    quiet = contextlib.nullcontext if options.verbose else quiet_verl
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="verl_klcov_diagnose_") as scratch:
-        with quiet_verl():
+        with quiet():
             model_path = options.model or _tiny.build_tiny_model(os.path.join(scratch, "tiny"), seed=options.seed)
         vocab_size = _vocab_size(model_path)
         seq_len = options.prompt_len + options.response_len
@@ -258,40 +306,70 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
             use_remove_padding=options.use_remove_padding, gradient_checkpointing=options.gradient_checkpointing,
             infer_micro_batch_size_per_gpu=options.infer_micro_batch_size_per_gpu or 16,
             infer_max_token_len_per_gpu=options.infer_max_token_len_per_gpu or max(4096, seq_len),
+            **({"clip_grad": _measured.MEASURED_CLIP_GRAD} if measured else {}),
         )
         layouts = layouts_of(options)
 
         def actor_config_for(mode):
             return _actor_config(options, mode)
 
-        modes = tuple(dict.fromkeys(m for g in global_modes_of(options) for m in compared_modes(g)))
-        if options.prepass_layout == "train" or not options.compare_prepass_layouts:
-            modes = tuple(m for m in modes if not m.endswith(TRAIN_LAYOUT_SUFFIX))
-        drawn = {name for spec in MODES.values() if spec.draws_at_random for name in (spec.name, spec.upstream)}
-        repeat_modes = tuple(m for m in modes if m in drawn)
-        updates = 2 * len(modes) + len(repeat_modes)
+        failed: dict[str, str] = {}  # measured losses that raised: name -> why
+        if measured:
+            kind = _measured.other_kind(options.layout)
+            layouts = (*layouts, _measured.other_layout(options.batch_size, seq_len, options.micro_batches, kind))
+
+            def updates() -> int:
+                return _measured.updates_per_block(tuple(loss for loss in measured if loss not in failed))
+
+            def run(batch, report_step) -> dict:
+                return _measured.run_measured_block(spec, batch, layouts, actor_config_for, measured, failed,
+                                                    progress=report_step)
+        else:
+            modes = tuple(dict.fromkeys(m for g in global_modes_of(options) for m in compared_modes(g)))
+            if options.prepass_layout == "train" or not options.compare_prepass_layouts:
+                modes = tuple(m for m in modes if not m.endswith(TRAIN_LAYOUT_SUFFIX))
+            drawn = {name for spec in MODES.values() if spec.draws_at_random for name in (spec.name, spec.upstream)}
+            repeat_modes = tuple(m for m in modes if m in drawn)
+
+            def updates() -> int:
+                return 2 * len(modes) + len(repeat_modes)
+
+            def run(batch, report_step) -> dict:
+                results = run_block(spec, batch, layouts, actor_config_for, modes=modes, repeat_modes=repeat_modes,
+                                    progress=report_step)
+                return {mode: asdict(result) for mode, result in results.items()}
 
         blocks = []
         for block in range(options.blocks):
             seed = options.seed + block
             prefix = f"[block {block + 1}/{options.blocks}]"
             progress(f"{prefix} building the frozen minibatch (seed {seed})")
-            with quiet_verl():
+            with quiet():
                 batch = frozen_minibatch(
                     spec, seed, batch_size=options.batch_size, prompt_len=options.prompt_len,
                     response_len=options.response_len, vocab_size=vocab_size,
                 )
-            step = {"n": 0}
+            step = {"n": 0, "of": updates()}
 
             def report_step(message, prefix=prefix, step=step):
                 step["n"] += 1
-                progress(f"{prefix} update {step['n']}/{updates}: {message}")
+                progress(f"{prefix} update {step['n']}/{step['of']}: {message}")
 
-            with quiet_verl():
-                results = run_block(spec, batch, layouts, actor_config_for, modes=modes, repeat_modes=repeat_modes,
-                                    progress=report_step)
-            blocks.append({mode: asdict(result) for mode, result in results.items()})
-    report = summarise(options, device, [layout.name for layout in layouts], blocks)
+            with quiet():
+                blocks.append(run(batch, report_step))
+            if failed and not options.all_registered:
+                (loss, why), = failed.items()
+                raise DiagnoseError(
+                    f"--loss-mode {loss}: the loss raised {why} in its update. Give it the settings it needs with "
+                    "--config-name/--config-path and overrides: its actor.policy_loss keys, or your own config "
+                    "class through actor.policy_loss._target_ (docs/DIAGNOSE.md, \"Diagnose your own loss\")")
+    for loss in failed:  # a loss that raised in a later block has rows in the earlier ones: compare none of them
+        for rows in blocks:
+            rows.pop(loss, None)
+            rows.pop(_measured.split_row(loss, _measured.other_kind(options.layout)), None)
+    report = summarise(options, device, [layout.name for layout in layouts[:2]], blocks,
+                       other_layout_name=layouts[2].name if measured else None, could_not_run=failed)
+    report["clip_grad"] = None if math.isinf(spec.clip_grad) else spec.clip_grad
     report["seconds"] = round(time.perf_counter() - started, 1)
     report.update(extra or {})
     if options.json_path:
@@ -308,19 +386,28 @@ def _ratios(diffs: list, controls: list) -> list:
     return [d / c if c > 0 else (0.0 if d == 0 else math.inf) for d, c in zip(diffs, controls)]
 
 
-def summarise(options: DiagnoseOptions, device: str, layout_names: list[str], blocks: list[dict]) -> dict:
-    """Per-mode figures over blocks, ratios to the control, and one verdict per global mode.
+def summarise(options: DiagnoseOptions, device: str, layout_names: list[str], blocks: list[dict], *,
+              other_layout_name: Optional[str] = None, could_not_run: Optional[dict] = None) -> dict:
+    """Per-mode figures over blocks, ratios to the control, and one verdict per global mode or measured loss.
 
     A global mode is invariant when its masks are identical in every block and its parameter
     difference between the layouts stays within ``INVARIANCE_FACTOR`` times the control's; a
-    mode that was run twice (Clip-Cov) must also repeat itself within that factor. The report is
-    invariant when every global mode is.
+    mode that was run twice (Clip-Cov) must also repeat itself within that factor. A loss outside
+    the table is judged by measurement alone (:func:`.measured.verdict`: both layouts and the
+    repeated update, each row against its own control ``vanilla`` / ``vanilla[split=...]``;
+    ``other_layout_name`` names the other layout). The report is invariant when every diagnosed
+    mode or loss that ran is; ``could_not_run`` (name -> why) lists the measured losses that raised.
     """
+    from . import measured as _measured
     from .experiment import upstream_mode
 
-    controls = [block["vanilla"]["max_param_diff"] for block in blocks]
+    def controls_of(mode: str) -> list:
+        control = _measured.control_of(mode)
+        return [block[control if control in block else "vanilla"]["max_param_diff"] for block in blocks]
+
     modes = {}
     for mode in blocks[0]:
+        controls = controls_of(mode)
         diffs = [block[mode]["max_param_diff"] for block in blocks]
         masks = [block[mode]["masks_identical"] for block in blocks]
         modes[mode] = {
@@ -357,7 +444,14 @@ def summarise(options: DiagnoseOptions, device: str, layout_names: list[str], bl
                 text += (f" between layouts and by up to {max(modes[upstream]['repeat_ratio_to_control']):.3g}x "
                          "run again with another RNG state")
         verdicts[mode] = text
-    return {
+    measured = measured_losses_of(options)
+    kind = _measured.other_kind(options.layout)
+    for loss in (m for m in measured if m in modes):
+        ok, verdicts[loss] = _measured.verdict(
+            loss, modes, kind, (f"{layout_names[1]} ({options.layout})", other_layout_name or kind), len(blocks),
+            INVARIANCE_FACTOR)
+        invariant = invariant and ok
+    report = {
         "options": asdict(options),
         "device": device,
         "layouts": layout_names,
@@ -366,6 +460,11 @@ def summarise(options: DiagnoseOptions, device: str, layout_names: list[str], bl
         "invariant": invariant,
         "verdict": "; ".join(verdicts.values()),
     }
+    if measured:
+        report.update(measured_losses=list(measured), other_layout=other_layout_name, could_not_run=dict(could_not_run or {}))
+        if options.all_registered:
+            report["registered_losses"] = _measured.registry_table(report, kind)
+    return report
 
 
 def _ratio_text(ratio: float) -> str:
@@ -407,31 +506,54 @@ def format_report(report: dict) -> str:
     options = report["options"]
     first, second = report["layouts"]
     lines = format_settings(report) if "settings" in report else []
+    width = max(29, *(len(mode) + 1 for mode in report["modes"]))  # 29: the table modes' column as before
+    knobs = (f"kl_cov_ratio {options['kl_cov_ratio']} | ppo_kl_coef {options['ppo_kl_coef']} | "
+             f"clip_cov ratio {options['clip_cov_ratio']}, window ({options['clip_cov_lb']}, {options['clip_cov_ub']}), "
+             f"seed {options['clip_cov_seed']} | entropy_top_ratio {options.get('entropy_top_ratio', 0.2)}")
+    if report.get("measured_losses"):
+        knobs = (f"policy_loss: your config's ({(options.get('policy_loss') or {}).get('_target_')})"
+                 if options.get("policy_loss") else f"policy_loss: verl's PolicyLossConfig, kl_cov_ratio "
+                 f"{options['kl_cov_ratio']}, ppo_kl_coef {options['ppo_kl_coef']}, clip_cov ratio "
+                 f"{options['clip_cov_ratio']} window ({options['clip_cov_lb']}, {options['clip_cov_ub']}), "
+                 "verl's defaults for the rest")
     lines += [
         f"model: {options['model'] or 'embedded tiny Qwen2 (built locally)'} | device {report['device']} | "
         f"{options['dtype']} | {options['strategy']} | {options['layout']} micro-batches"
-        + (" | remove padding" if options.get("use_remove_padding") else ""),
+        + (" | remove padding" if options.get("use_remove_padding") else "")
+        + (f"; rows [split=...]: {report['other_layout']}" if report.get("other_layout") else "")
+        + (" | gradient clipping off" if report.get("measured_losses") else ""),
         f"minibatch: {options['batch_size']} x ({options['prompt_len']} prompt + {options['response_len']} response) "
-        f"tokens | kl_cov_ratio {options['kl_cov_ratio']} | ppo_kl_coef {options['ppo_kl_coef']} | "
-        f"clip_cov ratio {options['clip_cov_ratio']}, window ({options['clip_cov_lb']}, {options['clip_cov_ub']}), "
-        f"seed {options['clip_cov_seed']} | entropy_top_ratio {options.get('entropy_top_ratio', 0.2)} | {len(report['modes']['vanilla']['max_param_diff'])} blocks | "
+        f"tokens | {knobs} | {len(report['modes']['vanilla']['max_param_diff'])} blocks | "
         f"{report.get('seconds', '?')} s",
         "",
-        f"{'mode':<29} {'tokens selected (' + first + ' | ' + second + ')':<44} {'masks':<10} "
+        f"{'mode':<{width}} {'tokens selected (' + first + ' | ' + second + ')':<44} {'masks':<10} "
         f"{'max|dtheta| between layouts':<30} {'ratio to control':<22} again, other RNG state / control",
     ]
     for mode, figures in report["modes"].items():
-        selected = ", ".join(f"{a} | {b}" for a, b in figures["selected_per_layout"])
+        selected = ", ".join("-" if pair is None else f"{pair[0]} | {pair[1]}" for pair in figures["selected_per_layout"])
         masks = {None: "-", True: "identical", False: "DIFFER"}[figures["masks_identical"]]
         diffs = ", ".join(f"{d:.1e}" for d in figures["max_param_diff"])
         ratios = ", ".join(_ratio_text(r) for r in figures["ratio_to_control"])
         repeats = ", ".join(_ratio_text(r) for r in figures.get("repeat_ratio_to_control", [])) or "-"
-        lines.append(f"{mode:<29} {selected:<44} {masks:<10} {diffs:<30} {ratios:<22} {repeats}")
+        lines.append(f"{mode:<{width}} {selected:<44} {masks:<10} {diffs:<30} {ratios:<22} {repeats}")
     lines.append("")
     for mode, verdict in report["verdicts"].items():
         ok = verdict.startswith(f"{mode} is INVARIANT")
         lines.append(("OK: " if ok else "FAIL: ") + verdict)
-    lines.append("verdict: " + ("every global mode is invariant" if report["invariant"] else "NOT invariant"))
+    for loss, why in report.get("could_not_run", {}).items():
+        lines.append(f"SKIPPED: {loss} could not run with these settings: {why}")
+    if "registered_losses" in report:
+        from .measured import format_registry_table
+
+        lines += ["", "verl's own losses (registered by verl's modules), worst over the blocks:", ""]
+        lines += format_registry_table(report)
+        lines.append("")
+    if "measured_losses" in report:
+        failing = [loss for loss, verdict in report["verdicts"].items() if not verdict.startswith(f"{loss} is INVARIANT")]
+        lines.append("verdict: " + ("every loss diagnosed is invariant" if report["invariant"]
+                                    else f"NOT invariant: {', '.join(failing)}"))
+    else:
+        lines.append("verdict: " + ("every global mode is invariant" if report["invariant"] else "NOT invariant"))
     return "\n".join(lines)
 
 

@@ -370,15 +370,24 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
 
     # loss
     your_mode = r.get(f"{POLICY_LOSS}.loss_mode")
-    if loss_mode is None:  # the plugin mode of the user's family, or every plugin mode
-        from ..modes import MODES
+    from ..modes import MODES
 
-        loss_mode = next((spec.name for spec in MODES.values() if your_mode in (spec.name, spec.upstream)), "all")
+    family = next((spec.name for spec in MODES.values() if your_mode in (spec.name, spec.upstream)), None)
+    if loss_mode is None and (family is not None or your_mode in (None, "vanilla")):
+        loss_mode = family or "all"  # the plugin mode of the user's family, or every plugin mode
         take("modes diagnosed", f"{POLICY_LOSS}.loss_mode", loss_mode,
              yours=your_mode if your_mode != loss_mode else None,
-             note=f"with the upstream mode and vanilla; --loss-mode {'|'.join(['all', *MODES])} to choose")
+             note=f"with the upstream mode and vanilla; --loss-mode {'|'.join(['all', *MODES])}|NAME to choose")
+    elif loss_mode is None:  # a loss outside the table (the user's, registered by --import): judged by measurement
+        loss_mode = take("modes diagnosed", f"{POLICY_LOSS}.loss_mode",
+                         note="outside the plugin's table: judged by measurement, with vanilla")
     else:
         fixed("modes diagnosed", loss_mode, source=SOURCE_OPTION)
+    # a loss outside the table gets the config's policy_loss as composed: verl's fields or the user's class (_target_)
+    policy_loss = None if loss_mode in ("all", *MODES) else r.get(POLICY_LOSS)
+    if policy_loss is not None:
+        take("policy_loss config", f"{POLICY_LOSS}._target_", policy_loss.get("_target_"),
+             note="the config class of the loss diagnosed, with every policy_loss key of your config")
     loss_agg_mode = take("loss_agg_mode", f"{ACTOR}.loss_agg_mode")
     loss_scale_factor = take("loss_scale_factor", f"{ACTOR}.loss_scale_factor")
     if loss_agg_mode == "seq-mean-token-sum-norm" and loss_scale_factor is None:
@@ -391,7 +400,9 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
                        "prepass_layout": "infer"}
     for knob, default in plugin_defaults.items():
         key = f"{POLICY_LOSS}.{knob}"
-        if r.get(key) is not None:
+        if policy_loss is not None:  # the plugin's knobs do not concern a loss outside its table: no rows
+            knobs[knob] = default if r.get(key) is None else r.get(key)
+        elif r.get(key) is not None:
             knobs[knob] = take(knob, key)
         else:
             knobs[knob] = take(knob, key, default, source=SOURCE_DEFAULT,
@@ -531,7 +542,7 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
             notes.append(f"{key}={value!r} is not reproduced: diagnose runs one optimizer update"
                          + (" per layout" if name == "ppo_epochs" else f" with {name}={ignored_if!r}")
                          + " (it does not change which tokens are selected).")
-    fixed("optimizer", "SGD lr 0.02, clip 0.05, 1 step",
+    fixed("optimizer", "SGD lr 0.02, clip 0.05, 1 step" if policy_loss is None else "SGD lr 0.02, no clipping, 1 step",
           "on purpose: parameter differences are gradient differences (your optim settings are not used)")
     if blocks is None:
         blocks = fixed("blocks", DEFAULT_BLOCKS, "independent minibatches (seeds)")
@@ -547,7 +558,8 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
         loss_mode=loss_mode, batch_size=shape.sequences, prompt_len=shape.prompt_len,
         response_len=shape.response_len, micro_batches=micro_batches, use_remove_padding=use_remove_padding,
         gradient_checkpointing=gradient_checkpointing, loss_agg_mode=loss_agg_mode,
-        loss_scale_factor=loss_scale_factor, compare_prepass_layouts=False, **knobs, **clip, **layout_kwargs,
+        loss_scale_factor=loss_scale_factor, compare_prepass_layouts=False, policy_loss=policy_loss, **knobs, **clip,
+        **layout_kwargs,
     )
     scaling = {"full": asdict(full), "used": asdict(shape), "max_tokens": max_tokens, "scaled": scaled,
                "micro_batches": micro_batches, "data_parallel_size": dp, "text": scaling_text}
