@@ -124,3 +124,16 @@ def test_console_script_is_installed():
     script = os.path.join(os.path.dirname(sys.executable), "verl-klcov-global")
     proc = subprocess.run([script, "diagnose", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--micro-batches" in proc.stdout
+
+
+@pytest.mark.slow  # two fresh interpreters
+def test_verls_import_warnings_precede_nothing_unless_verbose():
+    """verl's import-time warnings (no accelerator, "engine is not available") come before diagnose's first line
+    only with --verbose. The console script's route is checked by tests/lab/test_user_losses.py's real runs."""
+    quiet = run_cli("diagnose", "--loss-mode", "no_such_loss", timeout=300)
+    verbose = run_cli("diagnose", "--verbose", "--loss-mode", "no_such_loss", timeout=300)
+    assert quiet.returncode == verbose.returncode == 2
+    first_line = "verl-klcov-global diagnose: error: --loss-mode 'no_such_loss'"
+    assert quiet.stderr.startswith(first_line), quiet.stderr[:2000]
+    # the same process with --verbose shows what the quiet start hid: the check above can fail
+    assert "engine is not available" in verbose.stderr.split(first_line)[0], verbose.stderr[:2000]
