@@ -267,7 +267,8 @@ class ModeResult:
     """One loss mode in one block: the two layouts' outcomes and their difference."""
 
     mode: str
-    selected_per_layout: tuple[int, int]
+    #: tokens selected under each layout; None for a loss outside the table (lab/measured.py: nothing to count)
+    selected_per_layout: Optional[tuple[int, int]]
     masks_identical: Optional[bool]
     max_param_diff: float
     #: max|dtheta| between two runs of the same layout (the second), for modes run twice; else None
