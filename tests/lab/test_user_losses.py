@@ -136,6 +136,19 @@ def test_an_assertion_without_a_message_says_where_it_failed():
     assert describe_error(ValueError("dro_beta must be positive\nmore")) == "ValueError: dro_beta must be positive"
 
 
+def test_a_config_naming_a_loss_outside_the_table_plans_that_loss_with_its_policy_loss_node():
+    """--config-name: verl's gspo (or a user's loss) is the loss diagnosed; its policy_loss node goes along."""
+    from verl_klcov_global.lab.user_config import plan_for
+
+    plan = plan_for(None, "ppo_trainer", ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], device="cpu")
+    options, settings = plan.options, {s.name: s for s in plan.settings}
+    assert options.loss_mode == "gspo" and options.policy_loss["_target_"] == "verl.workers.config.PolicyLossConfig"
+    assert settings["modes diagnosed"].value == "gspo" and "judged by measurement" in settings["modes diagnosed"].note
+    assert "clip_cov_seed" not in settings and settings["optimizer"].value == "SGD lr 0.02, no clipping, 1 step"
+    # a mode of the table or vanilla: as before, no policy_loss node (the table's config classes are used)
+    assert plan_for(None, "ppo_trainer", [], device="cpu").options.policy_loss is None
+
+
 # ---------------------------------------------------------------------------
 # Real runs (verl's FSDP engine on CPU)
 # ---------------------------------------------------------------------------
