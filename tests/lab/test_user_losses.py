@@ -154,18 +154,17 @@ def test_a_config_naming_a_loss_outside_the_table_plans_that_loss_with_its_polic
 # ---------------------------------------------------------------------------
 
 
-def _run_from(folder: Path, *args, console_script: bool):
-    command = ([os.path.join(os.path.dirname(sys.executable), "verl-klcov-global")] if console_script
-               else [sys.executable, "-m", "verl_klcov_global"])
-    return subprocess.run([*command, *args], cwd=folder, capture_output=True, text=True, timeout=600)
+def _run_console_script(folder: Path, *args):
+    command = os.path.join(os.path.dirname(sys.executable), "verl-klcov-global")
+    return subprocess.run([command, *args], cwd=folder, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow
 def test_a_top_k_inside_each_call_is_not_invariant_exit_1(tmp_path):
     """The console script, from a folder holding the user's module: the current directory is importable."""
     shutil.copy(LOSSES_FILE, tmp_path / "my_losses.py")
-    proc = _run_from(tmp_path, "diagnose", "--import", "my_losses", "--loss-mode", TOP_K, *SMALL,
-                     "--json", "report.json", console_script=True)
+    proc = _run_console_script(tmp_path, "diagnose", "--import", "my_losses", "--loss-mode", TOP_K, *SMALL,
+                               "--json", "report.json")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stderr.startswith("[block 1/1] building the frozen minibatch")  # diagnose's own first line
     assert proc.stdout.startswith("model: ") and f"FAIL: {TOP_K} is NOT invariant" in proc.stdout
@@ -178,16 +177,21 @@ def test_a_top_k_inside_each_call_is_not_invariant_exit_1(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_per_token_loss_is_invariant_exit_0(tmp_path):
-    """python -m, from a folder holding the user's module."""
+def test_a_per_token_loss_is_invariant_exit_0(tmp_path, monkeypatch, capfd, restore_sys_path):
+    """In this process (the console script's fresh interpreter is the test above), from a folder holding the
+    user's module: diagnose puts the current directory on sys.path itself."""
+    monkeypatch.chdir(tmp_path)
     shutil.copy(LOSSES_FILE, tmp_path / "my_losses.py")
-    proc = _run_from(tmp_path, "diagnose", "--import", "my_losses", "--loss-mode", PER_TOKEN, *SMALL,
-                     "--json", "report.json", console_script=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stderr.startswith("[block 1/1] building the frozen minibatch")
-    assert f"OK: {PER_TOKEN} is INVARIANT" in proc.stdout
+    code = cli.main(["diagnose", "--import", "my_losses", "--loss-mode", PER_TOKEN, *SMALL, "--json", "report.json"])
+    out, err = capfd.readouterr()
+    assert code == 0, out + err
+    assert err.startswith("[block 1/1] building the frozen minibatch")
+    assert f"OK: {PER_TOKEN} is INVARIANT" in out
     report = json.loads((tmp_path / "report.json").read_text())
+    import verl
+
     assert report["invariant"] is True and report["verdicts"].keys() == {PER_TOKEN}
+    assert report["verl_version"] == verl.__version__
     for row in (PER_TOKEN, f"{PER_TOKEN}[split=static]"):
         assert report["modes"][row]["ratio_to_control"][0] <= 10
     assert report["modes"][PER_TOKEN]["repeat_ratio_to_control"][0] <= 10

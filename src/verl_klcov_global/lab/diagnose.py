@@ -370,11 +370,19 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
     report = summarise(options, device, [layout.name for layout in layouts[:2]], blocks,
                        other_layout_name=layouts[2].name if measured else None, could_not_run=failed)
     report["clip_grad"] = None if math.isinf(spec.clip_grad) else spec.clip_grad
+    report["verl_version"] = _verl_version()
     report["seconds"] = round(time.perf_counter() - started, 1)
     report.update(extra or {})
     if options.json_path:
         _write_json_atomically(options.json_path, report)
     return report
+
+
+def _verl_version() -> str:
+    """The verl this report was made with (a table of verl's losses is per verl)."""
+    import verl
+
+    return str(getattr(verl, "__version__", "unknown"))
 
 
 def _vocab_size(model_path: str) -> int:
