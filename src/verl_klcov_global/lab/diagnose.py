@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Iterator, Optional
 
 INVARIANCE_FACTOR = 10.0  # a global mode must stay within this many times the control's noise floor
@@ -82,6 +82,9 @@ class DiagnoseOptions:
     #: also run kl_cov_global with the other prepass layout (``kl_cov_global[prepass=train]``) when
     #: ``prepass_layout`` is infer; ``--config-name`` runs only the config's layout
     compare_prepass_layouts: bool = True
+    #: the entropy controller's knobs (``entropy_target``, ``entropy_control_*``) of the user's config, given to
+    #: every global mode's config class (``--config-name``); empty: the controller off
+    entropy_control: dict = field(default_factory=dict)
 
     @property
     def explicit_layout(self) -> bool:
@@ -204,7 +207,8 @@ def _actor_config(options: DiagnoseOptions, mode: str):
     spec, forced_layout = variant_of(mode)
     if spec is not None:
         knobs = {key: getattr(options, key) for key in spec.knobs if key != "prepass_layout"}
-        policy_loss = spec.config_class(prepass_layout=forced_layout or options.prepass_layout, **knobs)
+        policy_loss = spec.config_class(prepass_layout=forced_layout or options.prepass_layout, **knobs,
+                                        **options.entropy_control)
         return _tiny.make_actor_config(policy_loss=policy_loss, **actor)
     counts = upstream_counts(mode)
     if counts is not None:
@@ -414,7 +418,9 @@ def format_report(report: dict) -> str:
         f"minibatch: {options['batch_size']} x ({options['prompt_len']} prompt + {options['response_len']} response) "
         f"tokens | kl_cov_ratio {options['kl_cov_ratio']} | ppo_kl_coef {options['ppo_kl_coef']} | "
         f"clip_cov ratio {options['clip_cov_ratio']}, window ({options['clip_cov_lb']}, {options['clip_cov_ub']}), "
-        f"seed {options['clip_cov_seed']} | entropy_top_ratio {options.get('entropy_top_ratio', 0.2)} | {len(report['modes']['vanilla']['max_param_diff'])} blocks | "
+        f"seed {options['clip_cov_seed']} | entropy_top_ratio {options.get('entropy_top_ratio', 0.2)} | "
+        + (f"entropy controller {options['entropy_control']} | " if options.get("entropy_control") else "")
+        + f"{len(report['modes']['vanilla']['max_param_diff'])} blocks | "
         f"{report.get('seconds', '?')} s",
         "",
         f"{'mode':<29} {'tokens selected (' + first + ' | ' + second + ')':<44} {'masks':<10} "
