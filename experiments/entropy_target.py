@@ -8,12 +8,15 @@ sizes (its float noise between the sizes is the floor the controlled pairs are c
 fixed-knob runs of the same miniature (:mod:`.learning`, ``docs/learning_cpu.json``: the same code path
 with the controller off, which is 0.4.1's bit for bit) are drawn beside them.
 
-Settings, fixed before any controlled run of the miniature and not tuned to its results (:data:`CONTROL`):
-the targets 1.5 and 3.0 nats (the miniature starts at ln 64 = 4.16 and vanilla collapses to about 0.2);
-the product's default gains (``entropy_control_ki`` 0.05, ``entropy_control_kp`` 2.0); bounds [0.001, 1] for
-every mode, since the miniature's knobs live at its own scale (a minibatch of 256 tokens: its fixed-knob runs
-use ratio 0.1, and 1/256 = 0.004 is the quota floor); the starting values are the fixed-knob runs' knobs
-(``kl_cov_ratio`` 0.1, ``clip_cov_ratio`` 0.1 with the window (0, 5), ``entropy_top_ratio`` 0.2).
+Settings (:data:`CONTROL`), fixed before the runs: the targets 1.5 and 3.0 nats (the miniature starts at
+ln 64 = 4.16 and vanilla collapses to about 0.2); the product's default gains; bounds [0.001, 1] for every
+mode, since the miniature's knobs live at its own scale (a minibatch of 256 tokens: its fixed-knob runs use
+ratio 0.1, and 1/256 = 0.004 is the quota floor); the starting values are the fixed-knob runs' knobs
+(``kl_cov_ratio`` 0.1, ``clip_cov_ratio`` 0.1 with the window (0, 5), ``entropy_top_ratio`` 0.2). This is the
+study's second attempt: the first, with the gains 0.5.0 had first (``ki`` 0.05, ``kp`` 2.0) and anti-wind-up
+on the integral alone, did not hold any target (``docs/entropy_target_cpu_attempt1.json``, LEARNING.md); the
+gains (``ki`` 0.1, ``kp`` 10) and the anti-wind-up on the ratio in use were revised from that attempt's
+diagnosis before these runs, and not after them.
 
 Reported per mode x target x micro-batch size: the mean |entropy - target| over the last 10 steps, the first
 step from which the entropy stays within 0.2 nats of the target (or never), the final reward (mean of the last
@@ -43,7 +46,7 @@ MODES = ("kl_cov_global", "clip_cov_global", "high_entropy_global")
 TARGETS = (1.5, 3.0)
 MICRO_BATCH_SIZES = (1, 4)
 #: The controller's settings of every controlled run (module docstring: why these).
-CONTROL = dict(entropy_control_ki=0.05, entropy_control_kp=2.0, entropy_control_min_ratio=0.001,
+CONTROL = dict(entropy_control_ki=0.1, entropy_control_kp=10.0, entropy_control_min_ratio=0.001,
                entropy_control_max_ratio=1.0)
 KNOBS = {"kl_cov_global": "kl_cov_ratio", "clip_cov_global": "clip_cov_ratio",
          "high_entropy_global": "entropy_top_ratio"}

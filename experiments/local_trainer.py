@@ -88,8 +88,8 @@ class RunConfig:
     entropy_top_ratio: float = 0.2
     # The entropy controller of a global mode (None: off); the bounds None: the mode's config-class defaults.
     entropy_target: Optional[float] = None
-    entropy_control_ki: float = 0.05
-    entropy_control_kp: float = 2.0
+    entropy_control_ki: float = 0.1   # the plugin's defaults
+    entropy_control_kp: float = 10.0
     entropy_control_min_ratio: Optional[float] = None
     entropy_control_max_ratio: Optional[float] = None
 

@@ -79,38 +79,46 @@ def test_no_valid_token_means_no_measurement_and_no_movement():
     state = _state(0.01)
     decision = decide(state, math.nan, 0, SETTINGS, +1)
     assert decision.error == 0.0 and decision.ratio_in_use == pytest.approx(0.01)
-    assert settle(state, decision, num_valid=0, reach=0).log_ratio == state.log_ratio
+    assert settle(state, decision, SETTINGS, num_valid=0, reach=0).log_ratio == state.log_ratio
     assert "entropy_measured" not in decision.figures("kl_cov_ratio", 2.0)  # no NaN reaches a logger
 
 
-def test_anti_wind_up_below_the_quota_floor():
-    # N = 100: any ratio below 1/100 selects one token. The integral stops at the floor ...
+def test_no_integration_while_the_ratio_in_use_sits_below_the_quota_floor():
+    # N = 100: any ratio below 1/100 selects one token
     state = _state(0.0105)
-    falling = decide(state, 4.0, 100, SETTINGS, +1)
-    assert falling.integral < math.log(0.01)
-    assert settle(state, falling, num_valid=100, reach=100).log_ratio == pytest.approx(math.log(0.01))
-    # ... a state already below it (N grew) is not pulled up, and does not fall further
-    below = _state(0.005)
-    again = decide(below, 4.0, 100, SETTINGS, +1)
-    assert settle(below, again, num_valid=100, reach=100).log_ratio == below.log_ratio
-    # rising is always allowed
-    rising = decide(below, 1.0, 100, SETTINGS, +1)
-    assert settle(below, rising, num_valid=100, reach=100).log_ratio == rising.integral > below.log_ratio
+    falling = decide(state, 4.0, 100, SETTINGS, +1)  # e = -0.5: integral and P both push down
+    assert falling.integral < state.log_ratio and falling.ratio_in_use < 0.01
+    assert settle(state, falling, SETTINGS, num_valid=100, reach=100).log_ratio == state.log_ratio
+    # inside the range the integral moves; and rising from the floor is always allowed
+    high = _state(0.3)
+    inside = decide(high, 2.5, 100, SETTINGS, +1)
+    assert 0.01 < inside.ratio_in_use < 0.3
+    assert settle(high, inside, SETTINGS, 100, 100).log_ratio == inside.integral < high.log_ratio
+    rising = decide(_state(0.005), 1.0, 100, SETTINGS, +1)
+    assert settle(_state(0.005), rising, SETTINGS, 100, 100).log_ratio == rising.integral > math.log(0.005)
 
 
-def test_anti_wind_up_above_the_selections_reach():
+def test_no_integration_beyond_the_selections_reach_or_the_bounds():
     # Clip-Cov with 20 candidates of N = 100: beyond ratio 0.2 every candidate is already cut
-    state = _state(0.195)
-    rising = decide(state, 1.0, 100, SETTINGS, +1)
-    assert rising.integral > math.log(0.2)
-    assert settle(state, rising, num_valid=100, reach=20).log_ratio == pytest.approx(math.log(0.2))
-    beyond = _state(0.3)
-    assert settle(beyond, decide(beyond, 1.0, 100, SETTINGS, +1), 100, 20).log_ratio == beyond.log_ratio
-    falling = decide(beyond, 4.0, 100, SETTINGS, +1)
-    assert settle(beyond, falling, 100, 20).log_ratio == falling.integral < beyond.log_ratio
+    state = _state(0.15)
+    rising = decide(state, 1.0, 100, SETTINGS, +1)  # e = +0.5
+    assert rising.integral > state.log_ratio and rising.ratio_in_use > 0.2
+    assert settle(state, rising, SETTINGS, num_valid=100, reach=20).log_ratio == state.log_ratio
+    assert settle(state, rising, SETTINGS, num_valid=100, reach=100).log_ratio == rising.integral  # within reach
+    falling = decide(state, 4.0, 100, SETTINGS, +1)
+    assert settle(state, falling, SETTINGS, 100, 20).log_ratio == falling.integral < state.log_ratio
+    # the in-use ratio clamped at max_ratio (0.5): no further upward integration
+    top = _state(0.45)
+    pushed = decide(top, 0.5, 1000, SETTINGS, +1)
+    assert pushed.ratio_in_use == pytest.approx(0.5)
+    assert settle(top, pushed, SETTINGS, 1000, 1000).log_ratio == top.log_ratio
+    # with the sign -1 (80/20) the same edges hold: e > 0 pushes the ratio down
+    low = _state(0.0105)
+    down = decide(low, 1.0, 100, SETTINGS, -1)
+    assert down.ratio_in_use < 0.01 and settle(low, down, SETTINGS, 100, 100).log_ratio == low.log_ratio
     # nothing within reach (no candidate): the ratio acts on nothing, the integral does not move
-    assert settle(state, rising, num_valid=100, reach=0).log_ratio == state.log_ratio
-    assert settle(state, rising, 100, 20).steps == state.steps + 1
+    assert settle(state, falling, SETTINGS, num_valid=100, reach=0).log_ratio == state.log_ratio
+    assert settle(state, rising, SETTINGS, 100, 20).steps == state.steps + 1
 
 
 def test_the_state_round_trips_through_a_plain_dict():
@@ -135,17 +143,17 @@ def test_measure_entropy_is_the_exact_mean_over_valid_tokens():
     (math.inf, "got inf"), (True, "got True"), ("1.5", "got '1.5'")])
 def test_a_bad_target_is_refused_with_its_key(target, message):
     with pytest.raises(ValueError, match=f"{message}.*set {PL}entropy_target"):
-        validate_entropy_control(target, 0.05, 2.0, 1e-5, 0.05)
+        validate_entropy_control(target, 0.1, 10.0, 1e-5, 0.05)
 
 
 @pytest.mark.parametrize("args, message", [
-    ((1.5, -0.1, 2.0, 1e-5, 0.05), "entropy_control_ki must be finite and >= 0"),
-    ((1.5, 0.05, math.nan, 1e-5, 0.05), "entropy_control_kp must be finite and >= 0"),
+    ((1.5, -0.1, 10.0, 1e-5, 0.05), "entropy_control_ki must be finite and >= 0"),
+    ((1.5, 0.1, math.nan, 1e-5, 0.05), "entropy_control_kp must be finite and >= 0"),
     ((1.5, 0.0, 0.0, 1e-5, 0.05), "both 0: the controller would never move"),
-    ((1.5, 0.05, 2.0, 0.0, 0.05), r"entropy_control_min_ratio must be finite and in \(0, 1\]"),
-    ((1.5, 0.05, 2.0, 1e-5, 2.0), r"entropy_control_max_ratio must be finite and in \(0, 1\]"),
-    ((1.5, 0.05, 2.0, 0.05, 0.05), "entropy_control_min_ratio must be below entropy_control_max_ratio"),
-    ((None, "0.1", 2.0, 1e-5, 0.05), "entropy_control_ki"),  # checked with the controller off too
+    ((1.5, 0.1, 10.0, 0.0, 0.05), r"entropy_control_min_ratio must be finite and in \(0, 1\]"),
+    ((1.5, 0.1, 10.0, 1e-5, 2.0), r"entropy_control_max_ratio must be finite and in \(0, 1\]"),
+    ((1.5, 0.1, 10.0, 0.05, 0.05), "entropy_control_min_ratio must be below entropy_control_max_ratio"),
+    ((None, "0.1", 10.0, 1e-5, 0.05), "entropy_control_ki"),  # checked with the controller off too
 ])
 def test_bad_gains_and_bounds_are_refused_with_their_keys(args, message):
     with pytest.raises(ValueError, match=message):
@@ -153,7 +161,7 @@ def test_bad_gains_and_bounds_are_refused_with_their_keys(args, message):
 
 
 def test_null_target_is_off_and_the_defaults_are_valid():
-    assert validate_entropy_control(None, 0.05, 2.0, 1e-5, 0.05) is None
+    assert validate_entropy_control(None, 0.1, 10.0, 1e-5, 0.05) is None
     for mode, cls in CLASSES.items():
         config = cls()
         assert config.entropy_target is None

@@ -87,10 +87,11 @@ _DEFAULT_CLIP_COV_LB = 1.0
 _DEFAULT_CLIP_COV_UB = 5.0
 #: The paper's rho (Wang et al. 2025, arXiv:2506.01939; their fork's ``entropy_top_ratio=0.2``).
 DEFAULT_ENTROPY_TOP_RATIO = 0.2
-#: The entropy controller's gains (every mode): the integral moves ``ln(ratio)`` by at most 0.05 per optimizer
-#: step (an e-fold in 20 steps at full error); the proportional term damps the loop.
-DEFAULT_ENTROPY_CONTROL_KI = 0.05
-DEFAULT_ENTROPY_CONTROL_KP = 2.0
+#: The entropy controller's gains (every mode): the proportional term carries the loop (a 10% entropy error
+#: moves the ratio in use by e^1); the integral, ten times slower, removes the offset that is left
+#: (HOW_IT_WORKS.md, "The law"; revised from 0.05 / 2.0 after the learning miniature, LEARNING.md).
+DEFAULT_ENTROPY_CONTROL_KI = 0.1
+DEFAULT_ENTROPY_CONTROL_KP = 10.0
 #: Bounds of the controlled ratio, per mode: KL-Cov's and Clip-Cov's around the papers' 2e-4 and 2e-3 (20x
 #: below the smaller, 25x above the larger, at the ratio-units warning); the 80/20 rule's from 1% of the tokens
 #: to all of them (1 = vanilla: the mode cannot lower entropy further).

@@ -15,14 +15,16 @@ lowers it; ``u`` the integral state, ``ln r``):
    that one step moves ``ln r`` by at most ``ki + kp``;
 3. PI in log space (multiplicative in ``r``): ``u' = clamp(u + s * ki * e)``, and the ratio in use this
    step ``r = exp(clamp(u' + s * kp * e))``, both clamped to ``[ln min_ratio, ln max_ratio]``. The
-   proportional term damps the loop: entropy integrates the knob's effect (the knob sets how fast
-   entropy moves, not where it is), and an integral-only law on such a plant oscillates;
-4. after the selection, anti-wind-up (:func:`settle`): the integral does not move further into a range
-   where the ratio has no effect on the selection. Below ``1 / N`` (``N`` the selection's valid tokens)
-   the quota ``max(1, int(N r))`` is 1 whatever ``r``; above ``reach / N`` (``reach``: the most tokens the
-   selection can take, ``N``, or Clip-Cov's candidates) a larger quota selects nothing more. ``u`` is then
-   held at the edge of that range, or where it was if it was beyond it already; with no valid token or
-   nothing within reach it does not move.
+   proportional term carries the loop: entropy integrates the knob's effect (the knob sets how fast
+   entropy moves, not where it is), so ``kp`` sets how fast the entropy closes on the target (a
+   first-order approach) and the integral only removes what is left;
+4. after the selection, anti-wind-up by conditional integration (:func:`settle`): the step's integration
+   is undone when the ratio in use already lay at or beyond an edge of the range where the ratio acts and
+   the integration pushed further that way. The range: from ``max(1 / N, min_ratio)`` (``N`` the
+   selection's valid tokens: below ``1 / N`` the quota ``max(1, int(N r))`` is 1 whatever ``r``) to
+   ``min(reach / N, max_ratio)`` (``reach``: the most tokens the selection can take, ``N``, or Clip-Cov's
+   candidates: beyond it a larger quota selects nothing more). With no valid token or nothing within
+   reach the integral does not move.
 
 The state (``u`` and a step count) is a pure function of the steps before it, so a run resumed from a
 checkpoint that carries it continues bit for bit.
@@ -137,7 +139,7 @@ def validate_entropy_control(target: Any, ki: Any, kp: Any, min_ratio: Any,
     controller is off too, so a typo does not wait for the day it is switched on.
     """
     ki = _gain(ki, "entropy_control_ki", "0.1")
-    kp = _gain(kp, "entropy_control_kp", "1.0")
+    kp = _gain(kp, "entropy_control_kp", "10")
     low = _positive_ratio_bound(min_ratio, "entropy_control_min_ratio", "1e-05")
     high = _positive_ratio_bound(max_ratio, "entropy_control_max_ratio", "0.05")
     if low >= high:
@@ -196,20 +198,21 @@ def decide(state: ControllerState, entropy: float, num_valid: int, settings: Ent
                            ratio_in_use=ratio_in_use)
 
 
-def settle(state: ControllerState, decision: ControlDecision, num_valid: int, reach: int) -> ControllerState:
+def settle(state: ControllerState, decision: ControlDecision, settings: EntropyControlSettings, num_valid: int,
+           reach: int) -> ControllerState:
     """Step 4 of the law: the next state, with anti-wind-up from the step's selection.
 
     ``num_valid``: the selection's ``N``; ``reach``: the most tokens a larger ratio could select (``N``, or
-    Clip-Cov's candidates). The integral keeps ``decision.integral`` inside ``[ln(1/N), ln(reach/N)]``, where
-    the ratio acts; beyond an edge it goes no further than the edge or than where it was.
+    Clip-Cov's candidates). The integration ``decision.integral - state.log_ratio`` is kept unless the ratio in
+    use lay at or beyond the edge of ``[max(1/N, min_ratio), min(reach/N, max_ratio)]`` it pushes towards.
     """
     previous, integral = state.log_ratio, decision.integral
     if num_valid <= 0 or reach <= 0:
         integral = previous  # the ratio acts on nothing this step: no integration
     else:
-        low, high = math.log(1.0 / num_valid), math.log(min(reach, num_valid) / num_valid)
-        if integral < low:
-            integral = max(integral, min(previous, low))
-        elif integral > high:
-            integral = min(integral, max(previous, high))
+        low = max(math.log(1.0 / num_valid), math.log(settings.min_ratio))
+        high = min(math.log(min(reach, num_valid) / num_valid), math.log(settings.max_ratio))
+        in_use = math.log(decision.ratio_in_use)
+        if (integral < previous and in_use <= low) or (integral > previous and in_use >= high):
+            integral = previous
     return ControllerState(knob=state.knob, log_ratio=integral, steps=state.steps + 1)

@@ -250,9 +250,9 @@ def test_the_entropy_controller_is_listed_and_diagnosed_with_the_users_settings(
                                  "actor_rollout_ref.actor.policy_loss.entropy_control_ki=0.2"], device="cpu")
     rows = {s.name: (s.value, s.source) for s in plan.settings}
     assert rows["entropy_target"] == (1.5, "override") and rows["entropy_control_ki"] == (0.2, "override")
-    assert rows["entropy_control_kp"] == (2.0, "config")  # the plugin's YAML declares every knob
+    assert rows["entropy_control_kp"] == (10.0, "config")  # the plugin's YAML declares every knob
     assert plan.options.entropy_control == {
-        "entropy_target": 1.5, "entropy_control_ki": 0.2, "entropy_control_kp": 2.0,
+        "entropy_target": 1.5, "entropy_control_ki": 0.2, "entropy_control_kp": 10.0,
         "entropy_control_min_ratio": rows["entropy_control_min_ratio"][0],
         "entropy_control_max_ratio": rows["entropy_control_max_ratio"][0]}
     from verl_klcov_global.lab.diagnose import _actor_config

@@ -123,5 +123,5 @@ def steer(engine: BaseEngine, mode: ModeSpec, settings: Any, fields: MinibatchFi
 
 def settle_after_selection(engine: BaseEngine, mode: ModeSpec, steering: Steering, selection: Selection) -> None:
     """After the selection: the next state (anti-wind-up from the selection's ``N`` and reach), stored."""
-    store_controller_state(engine, settle(steering.state, steering.decision, selection.num_valid,
-                                          mode.selection_reach(selection)))
+    store_controller_state(engine, settle(steering.state, steering.decision, steering.settings.entropy_control,
+                                          selection.num_valid, mode.selection_reach(selection)))
