@@ -40,7 +40,10 @@ from typing import Optional, Sequence
 
 from .learning import BASE, ENTROPY, NOISE_FACTOR, PREFIXES, REWARD, MakePolicyRollout, float32_spacing
 from .local_trainer import RunConfig, RunResult, run_local
-from .study_cli import add_output_arguments, load_pyplot, new_parser, redraw_from_json, run_in_jobs, save_figure
+from .study_cli import (
+    add_output_arguments, finish_study, load_pyplot, new_parser, redraw_from_json, resumed_from, run_in_jobs, save_figure,
+    save_json,
+)
 
 MODES = ("kl_cov_global", "clip_cov_global", "high_entropy_global")
 TARGETS = (1.5, 3.0)
@@ -274,14 +277,6 @@ def _cost(run: RunConfig) -> float:
     return run.steps * (run.mini_batch_prompts * run.responses_per_prompt / run.micro_batch_size + 8)
 
 
-def _save(study: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(study, f, indent=1)
-    os.replace(tmp, path)
-
-
 def run_study(runs: Sequence[RunConfig], study: dict, *, jobs: int, json_path: Optional[str] = None,
               progress=print) -> dict:
     """The runs not yet in ``study['runs']``, longest first over ``jobs`` processes; each finished run is added
@@ -301,7 +296,7 @@ def run_study(runs: Sequence[RunConfig], study: dict, *, jobs: int, json_path: O
             spent += _cost(todo[index])
             study["runs"][run["key"]] = run
             if json_path:
-                _save(study, json_path)
+                save_json(study, json_path)
             elapsed = time.perf_counter() - started
             end = f"end entropy {run['entropy'][-1]:.2f}, final reward {_final(run['reward']):.3f}"
             progress(f"[{len(study['runs'])}/{len(runs)}] {run['key']}: {run['seconds']:.0f} s, {end}; "
@@ -329,11 +324,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--steps must be at least {LAST_STEPS}")
     settings = study_settings(args.steps)
     study = {"settings": settings, "runs": {}, "seconds": 0.0}
-    if args.json and os.path.exists(args.json):
-        with open(args.json) as f:
-            earlier = json.load(f)
-        if earlier.get("settings") != json.loads(json.dumps(settings)):
-            raise SystemExit(f"{args.json} holds a study with other settings; pass another --json path (or delete it)")
+    earlier = resumed_from(args.json, settings)
+    if earlier is not None:
         study.update(runs=earlier.get("runs", {}), seconds=earlier.get("seconds", 0.0))
     started = time.perf_counter()
     run_study(planned_runs(args.steps), study, jobs=args.jobs, json_path=args.json,
@@ -343,14 +335,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.steps == BASE.steps:  # the fixed-knob curves are the learning study's 40 steps
         study["fixed_knob"] = fixed_knob_runs()
     study["summary"] = summarize(study)
-    print(format_report(study))
-    print(f"this invocation {time.perf_counter() - started:.0f} s with {args.jobs} job(s); the study's total "
-          f"{study['seconds']:.0f} s")
-    if args.json:
-        _save(study, args.json)
-    if args.png:
-        plot(study, args.png)
-        print(f"picture: {args.png}")
+    finish_study(study, args, started, format_report, plot)
     return 0
 
 
