@@ -25,7 +25,6 @@ the runs it holds. ``--from-json`` redraws and reports without running anything.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import sys
@@ -38,7 +37,10 @@ from .learning import BASE as LEARNING_BASE
 from .exploration_task import TASK, DeceptiveTask
 from .local_trainer import RunConfig, RunResult
 from .policy_rollout import PolicyRollout
-from .study_cli import add_output_arguments, load_pyplot, new_parser, redraw_from_json, run_in_jobs, save_figure
+from .study_cli import (
+    add_output_arguments, finish_study, load_pyplot, new_parser, redraw_from_json, resumed_from, run_in_jobs, save_figure,
+    save_json,
+)
 
 #: Seeds 1..8: paired across configurations.
 SEEDS = tuple(range(1, 9))
@@ -498,7 +500,7 @@ def run_study(plans: Sequence[dict], study: dict, *, jobs: int, json_path: Optio
             spent += _cost(todo[index])
             study["runs"][run["key"]] = run
             if json_path:
-                _save(study, json_path)
+                save_json(study, json_path)
             elapsed = time.perf_counter() - started
             left = elapsed / spent * (total_cost - spent)
             o = run_outcome(run, study["settings"]["task"], study["settings"]["final_steps"])
@@ -509,14 +511,6 @@ def run_study(plans: Sequence[dict], study: dict, *, jobs: int, json_path: Optio
         run = functools.partial(run_one, models_dir=models_dir, work_root=work_root, base=base, task=task)
         run_in_jobs(run, todo, jobs=jobs, cost=_cost, on_result=finished)
     return study
-
-
-def _save(study: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(study, f, indent=1)
-    os.replace(tmp, path)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -541,12 +535,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--steps must be at least {FINAL_STEPS}")
     settings = study_settings(replace(BASE, steps=args.steps))
     study = {"settings": settings, "seeds": seeds, "runs": {}, "seconds": 0.0}
-    if args.json and os.path.exists(args.json):
-        with open(args.json) as f:
-            earlier = json.load(f)
-        if earlier.get("settings") != json.loads(json.dumps(settings)):
-            raise SystemExit(f"{args.json} holds a study with other settings; pass another --json path (or delete it) "
-                             "to start a new one")
+    earlier = resumed_from(args.json, settings)
+    if earlier is not None:
         study["runs"] = earlier.get("runs", {})
         study["seconds"] = earlier.get("seconds", 0.0)
         study["seeds"] = sorted(set(earlier.get("seeds", [])) | set(seeds))
@@ -556,14 +546,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     study["seconds"] = study.get("seconds", 0.0) + (time.perf_counter() - started)
     study["jobs"] = args.jobs
     study["summary"] = summarize(study)
-    print(format_report(study))
-    print(f"this invocation {time.perf_counter() - started:.0f} s with {args.jobs} job(s); the study's total "
-          f"{study['seconds']:.0f} s")
-    if args.json:
-        _save(study, args.json)
-    if args.png:
-        plot(study, args.png)
-        print(f"picture: {args.png}")
+    finish_study(study, args, started, format_report, plot)
     return 0
 
 

@@ -86,9 +86,16 @@ class RunConfig:
     clip_cov_lb: float = 0.3
     clip_cov_ub: float = 5.0
     entropy_top_ratio: float = 0.2
+    # The entropy controller of a global mode (None: off); the bounds None: the mode's config-class defaults.
+    entropy_target: Optional[float] = None
+    entropy_control_ki: float = 0.1   # the plugin's defaults
+    entropy_control_kp: float = 10.0
+    entropy_control_min_ratio: Optional[float] = None
+    entropy_control_max_ratio: Optional[float] = None
 
     def label(self) -> str:
-        return f"{self.loss_mode} mbs={self.micro_batch_size} dp={self.world_size}"
+        target = "" if self.entropy_target is None else f" target={self.entropy_target:g}"
+        return f"{self.loss_mode}{target} mbs={self.micro_batch_size} dp={self.world_size}"
 
 
 @dataclass
@@ -158,6 +165,7 @@ def trainer_overrides(run: RunConfig, *, model_path: str, train_file: str, out_d
         f"{policy}.clip_cov_lb={run.clip_cov_lb}",
         f"{policy}.clip_cov_ub={run.clip_cov_ub}",
         *high_entropy_overrides(run),
+        *controller_overrides(run),
         f"actor_rollout_ref.rollout.n={run.responses_per_prompt}",
         "actor_rollout_ref.rollout.full_determinism=True",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
@@ -175,6 +183,29 @@ def trainer_overrides(run: RunConfig, *, model_path: str, train_file: str, out_d
         "trainer.logger=[console]",
         f"trainer.default_local_dir={os.path.join(out_dir, 'checkpoints')}",
     ]
+
+
+#: The plugin's config class of each global mode: the entropy controller's knobs are keys of these only.
+GLOBAL_CONFIGS = {
+    "kl_cov_global": "verl_klcov_global.config.KLCovGlobalPolicyLossConfig",
+    "clip_cov_global": "verl_klcov_global.config.ClipCovGlobalPolicyLossConfig",
+    "high_entropy_global": HIGH_ENTROPY_CONFIGS["high_entropy_global"],
+}
+
+
+def controller_overrides(run: RunConfig) -> list[str]:
+    """The entropy controller's knobs of a global mode's run (none when ``entropy_target`` is None), with the
+    mode's config class (``high_entropy_overrides`` sets it already for ``high_entropy_global``)."""
+    if run.entropy_target is None:
+        return []
+    if run.loss_mode not in GLOBAL_CONFIGS:
+        raise ValueError(f"{run.label()}: entropy_target needs a global loss mode ({sorted(GLOBAL_CONFIGS)})")
+    policy = "actor_rollout_ref.actor.policy_loss"
+    out = [] if run.loss_mode in HIGH_ENTROPY_CONFIGS else [f"{policy}._target_={GLOBAL_CONFIGS[run.loss_mode]}"]
+    knobs = {"entropy_target": run.entropy_target, "entropy_control_ki": run.entropy_control_ki,
+             "entropy_control_kp": run.entropy_control_kp, "entropy_control_min_ratio": run.entropy_control_min_ratio,
+             "entropy_control_max_ratio": run.entropy_control_max_ratio}
+    return out + [f"+{policy}.{key}={value!r}" for key, value in knobs.items() if value is not None]
 
 
 def high_entropy_overrides(run: RunConfig) -> list[str]:

@@ -10,7 +10,10 @@ they share, so that a new study writes only its runs, its report text and its pi
   ``--from-json`` and ``--steps``, ``--jobs``, ``--seed``;
 * :func:`redraw_from_json` -- ``--from-json``: no runs, the report and the picture of an earlier JSON;
 * :func:`write_outputs` -- print the report, write the JSON, draw the PNG;
-* :func:`run_in_jobs` -- independent tasks over spawned processes, longest first, results in order.
+* :func:`run_in_jobs` -- independent tasks over spawned processes, longest first, results in order;
+* :func:`save_json` / :func:`resumed_from` / :func:`finish_study` -- a resumable study's JSON: written whole
+  after every run (a crash loses nothing written before), read back by a rerun, which must have the same
+  settings, and the study's last report, JSON and picture.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import traceback
 from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["new_parser", "load_pyplot", "save_figure", "add_output_arguments", "add_run_arguments", "redraw_from_json", "write_outputs",
-           "run_in_jobs"]
+           "run_in_jobs", "save_json", "resumed_from", "finish_study"]
 
 #: What to install when matplotlib is missing (the pictures only; the runs and the JSON do without).
 PLOT_HINT = ("the picture needs matplotlib (`pip install matplotlib`, or the plugin's plot extra: "
@@ -152,3 +155,41 @@ def run_in_jobs(fn: Callable[[Any], Any], items: Sequence[Any], *, jobs: int,
             if on_result is not None:
                 on_result(index, result)
     return results
+
+
+def save_json(data: dict, path: str) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename: the file is whole at every moment."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def resumed_from(path: Optional[str], settings: dict) -> Optional[dict]:
+    """The study an earlier invocation left at ``path`` (None when there is none), if its ``settings`` are these;
+    ``SystemExit`` saying what to do when they differ (a study is never mixed with runs of other settings)."""
+    if not path or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        earlier = json.load(f)
+    if earlier.get("settings") != json.loads(json.dumps(settings)):
+        raise SystemExit(f"{path} holds a study with other settings; pass another --json path (or delete it) to "
+                         "start a new one")
+    return earlier
+
+
+def finish_study(study: dict, args: argparse.Namespace, started: float, format_report: Callable[[dict], str],
+                 plot: Callable[[dict, str], None]) -> None:
+    """The end of a resumable study's invocation: its report and times printed, ``--json`` written, ``--png`` drawn.
+
+    ``started``: ``time.perf_counter()`` when this invocation began; ``study['seconds']`` is the study's total.
+    """
+    import time
+
+    print(format_report(study))
+    print(f"this invocation {time.perf_counter() - started:.0f} s with {args.jobs} job(s); the study's total "
+          f"{study['seconds']:.0f} s")
+    if args.json:
+        save_json(study, args.json)
+    _draw(study, args, plot)

@@ -14,12 +14,12 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: Bottom first; a module may import modules of its own layer or of layers below it.
 LAYERS = [
-    ["selection", "seams", "layout", "install_hint", "configs", "quiet_start"],
+    ["selection", "seams", "layout", "install_hint", "configs", "quiet_start", "entropy_control"],
     ["config"],
     ["loss"],
     ["modes"],
     ["guardrails"],
-    ["driver", "engine.logprobs"],
+    ["driver", "engine.logprobs", "engine.control"],
     ["engine.prepass"],
     ["engine.step"],
     ["engine.patches", "engine"],

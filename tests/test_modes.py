@@ -110,5 +110,7 @@ def test_high_entropy_selection_reads_the_prepass_entropy_in_either_trainer_layo
     assert torch.equal(selection.mask, expected.mask) and selection.quota == expected.quota > 1
     with pytest.raises(ValueError, match="high_entropy_global selects on the current-policy entropy"):
         HIGH_ENTROPY.select_minibatch(log_probs, data, settings_, None)
-    # a mode that does not read it never sees it
-    assert KL_COV.read_minibatch(log_probs, data, entropy).entropy is None
+    # a mode whose selection does not read it carries it only when the prepass computed it (its entropy
+    # controller on), cut to the mask's width like every field
+    assert KL_COV.read_minibatch(log_probs, data).entropy is None
+    assert torch.equal(KL_COV.read_minibatch(log_probs, data, entropy).entropy, entropy[:, :width])

@@ -84,7 +84,16 @@ def test_readme_knob_defaults_are_the_packaged_configs_and_verls():
     expected = {"kl_cov_ratio": [kl.kl_cov_ratio], "ppo_kl_coef": [kl.ppo_kl_coef, PolicyLossConfig().ppo_kl_coef],
                 "clip_cov_ratio": [clip.clip_cov_ratio], "clip_cov_lb": [clip.clip_cov_lb, clip.clip_cov_ub],
                 "clip_cov_seed": [clip.clip_cov_seed], "entropy_top_ratio": [high.entropy_top_ratio],
-                "prepass_layout": [kl.prepass_layout]}
+                "prepass_layout": [kl.prepass_layout],
+                "entropy_target": ["null" if kl.entropy_target is None else kl.entropy_target],
+                "entropy_control_ki": [kl.entropy_control_ki, kl.entropy_control_kp],
+                "entropy_control_min_ratio": [clip.entropy_control_min_ratio, clip.entropy_control_max_ratio,
+                                              high.entropy_control_min_ratio, high.entropy_control_max_ratio]}
+    for name in ("entropy_target", "entropy_control_ki", "entropy_control_kp", "entropy_control_min_ratio",
+                 "entropy_control_max_ratio"):  # the controller's defaults: the same in the three configs
+        assert kl[name] == clip[name], name
+    assert (kl.entropy_target, kl.entropy_control_ki, kl.entropy_control_kp) == (
+        high.entropy_target, high.entropy_control_ki, high.entropy_control_kp)
     rows = _readme_knob_rows()
     for key, values in expected.items():
         (cells,) = [cells for cells in rows.values() if f"`{key}`" in cells[1]]

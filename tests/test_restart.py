@@ -1,5 +1,5 @@
-"""A restart loses nothing: a ``kl_cov_global`` (or ``high_entropy_global``) run killed during step 3 and resumed
-from verl's checkpoint equals one uninterrupted run, bit for bit (CPU, fp32).
+"""A restart loses nothing: a ``kl_cov_global`` run with the entropy controller on (or a ``high_entropy_global``
+run) killed during step 3 and resumed from verl's checkpoint equals one uninterrupted run, bit for bit (CPU, fp32).
 
 The runs (``trainer_support/restart.py``) are verl 0.9.1's ``RayPPOTrainer.fit`` (legacy trainer)
 with verl's real worker and FSDP2 engine in a child process each, GRPO, 4 prompts x 4 responses
@@ -19,9 +19,11 @@ uninterrupted run's steps 1-4 (every metric but timings, throughput and memory: 
 pg_loss, grad_norm, entropy included), and the resumed run's parameters after the load and at
 the end equal the uninterrupted run's at step 2 and step 4.
 
-The uninterrupted ``high_entropy_global`` run also logs every step through verl's real console and
-tensorboard loggers (``trainer_support/restart.py --tracking``): every ``actor/high_entropy/`` figure is
-printed on the console and read back from the tensorboard event file, with the logged values.
+The controlled run's ratio moves every step (the controller's state, carried in the optimizer's state dict,
+must come back from the checkpoint: a controller started afresh at step 3 would log another
+``kl_cov_ratio_in_use``). Each uninterrupted run also logs every step through verl's real console and
+tensorboard loggers (``trainer_support/restart.py --tracking``): every figure of the mode (the controller's
+included) is printed on the console and read back from the tensorboard event file, with the logged values.
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ from .trainer_support.env import REPO_ROOT, subprocess_env
 STEPS = 4
 OPTIMIZER_STEPS_PER_STEP = 4  # RunConfig defaults: 4 prompts / 2 per minibatch x 2 epochs
 PREFIX = {"kl_cov_global": "actor/kl_cov/", "high_entropy_global": "actor/high_entropy/"}
-#: The selection figures every step must log, besides verl's own (per mode)
-FIGURES = {"kl_cov_global": ("selected", "quota"),
+#: kl_cov_global's run has the entropy controller on (the plugin's gains): the tiny model starts at about 6.22
+#: nats, near ln(vocab size) = 6.24; a target just below keeps the ratio in use above the quota floor.
+ENTROPY_TARGET = {"kl_cov_global": 6.0, "high_entropy_global": None}
+#: The selection (and controller) figures every step must log, besides verl's own (per mode)
+FIGURES = {"kl_cov_global": ("selected", "quota", "entropy_target", "entropy_measured", "kl_cov_ratio_in_use"),
            "high_entropy_global": ("selected", "quota", "valid_tokens", "nonfinite_tokens", "entropy_threshold",
                                    "entropy_mean", "selected_entropy_mean", "selected_entropy_share")}
 VERLS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy")
@@ -62,9 +67,10 @@ def test_a_run_killed_during_step_3_and_resumed_equals_an_uninterrupted_run(tiny
     env = subprocess_env()
     prefix = PREFIX[loss_mode]
     required = tuple(prefix + name for name in FIGURES[loss_mode]) + VERLS
-    common = dict(model=tiny_model_path, steps=STEPS, loss_mode=loss_mode, cwd=REPO_ROOT, env=env)
+    common = dict(model=tiny_model_path, steps=STEPS, loss_mode=loss_mode, cwd=REPO_ROOT, env=env,
+                  entropy_target=ENTROPY_TARGET[loss_mode])
     # the uninterrupted run and the run to be killed side by side (one thread each)
-    tracking = str(tmp_path / "tensorboard") if loss_mode == "high_entropy_global" else ""
+    tracking = str(tmp_path / "tensorboard")
     whole = restart.start(work_dir=str(tmp_path / "whole"), out=str(tmp_path / "whole-out"), resume_mode="disable",
                           tracking=tracking, **common)
     killed_dir, killed_out = str(tmp_path / "killed"), str(tmp_path / "killed-out")
@@ -97,6 +103,11 @@ def test_a_run_killed_during_step_3_and_resumed_equals_an_uninterrupted_run(tiny
     for m in stitched:
         assert all(k in m for k in required), sorted(m)
         assert m[prefix + "selected"] >= 1  # the selection acted in every step: not a vacuous comparison
+    if ENTROPY_TARGET[loss_mode] is not None:  # the controller moved the ratio every step: its state mattered
+        in_use = [m[prefix + "kl_cov_ratio_in_use"] for m in stitched]
+        assert all(b < a for a, b in zip(in_use, in_use[1:])), in_use
+        assert all(m[prefix + "entropy_target"] == ENTROPY_TARGET[loss_mode] < m[prefix + "entropy_measured"]
+                   for m in stitched)
     compared = sum(1 for k in stitched[0] if _deterministic(k))
     assert after["rollout_digest"] == reference["rollout_digest"][2:]
     assert torch.equal(after["params"][0], reference["params"][2])   # the checkpoint loaded exactly
@@ -106,7 +117,9 @@ def test_a_run_killed_during_step_3_and_resumed_equals_an_uninterrupted_run(tiny
     print(f"\nrestart: {compared} metrics per step equal in steps 1-4 (killed 1-2 + resumed 3-4 vs uninterrupted); "
           f"parameters equal after the load (step 2) and at step 4 (max |change| over steps 3-4: {moved:.3g}); "
           + "; ".join(f"step {m['step']}: selected {m[prefix + 'selected']:g}, pg_loss {m['actor/pg_loss']:.6g}, "
-                      f"grad_norm {m['actor/grad_norm']:.6g}, entropy {m['actor/entropy']:.6g}" for m in stitched)
+                      f"grad_norm {m['actor/grad_norm']:.6g}, entropy {m['actor/entropy']:.6g}"
+                      + (f", kl_cov_ratio in use {m[prefix + 'kl_cov_ratio_in_use']:.6g}"
+                         if prefix + "kl_cov_ratio_in_use" in m else "") for m in stitched)
           + f"; {seconds:.0f} s")
     if tracking:
         _assert_logged_by_verls_console_and_tensorboard(str(tmp_path / "whole-out" / "log.txt"), tracking,

@@ -18,6 +18,12 @@ Everything a user can set lives in ``actor_rollout_ref.actor.policy_loss``:
   name of the authors' fork): the fraction of valid tokens, by current-policy entropy, that keep
   the PPO-clip loss (0.2 = the 20% highest-entropy tokens; TRL's ``top_entropy_quantile`` means the
   same). ``actor.clip_ratio_low`` / ``clip_ratio_high`` / ``clip_ratio_c`` are verl ``vanilla``'s;
+* the entropy controller (only with the plugin's config classes; :mod:`.entropy_control`):
+  ``entropy_target`` (nats per valid response token, finite, > 0; None, the default: off) holds the
+  mean current-policy entropy of the optimizer minibatches on target by moving the mode's ratio knob
+  (``kl_cov_ratio``, ``clip_cov_ratio`` or ``entropy_top_ratio``, the configured value being the start),
+  with the gains ``entropy_control_ki`` / ``entropy_control_kp`` and within
+  ``[entropy_control_min_ratio, entropy_control_max_ratio]`` (defaults per mode below);
 * ``prepass_layout`` (only with the plugin's config classes,
   :class:`KLCovGlobalPolicyLossConfig` / :class:`ClipCovGlobalPolicyLossConfig` /
   :class:`HighEntropyGlobalPolicyLossConfig`): the
@@ -38,6 +44,7 @@ from typing import Any, Optional
 
 from verl.workers.config.actor import PolicyLossConfig
 
+from .entropy_control import EntropyControlSettings, validate_entropy_control
 from .selection import (
     validate_clip_cov_ratio,
     validate_clip_cov_seed,
@@ -80,6 +87,16 @@ _DEFAULT_CLIP_COV_LB = 1.0
 _DEFAULT_CLIP_COV_UB = 5.0
 #: The paper's rho (Wang et al. 2025, arXiv:2506.01939; their fork's ``entropy_top_ratio=0.2``).
 DEFAULT_ENTROPY_TOP_RATIO = 0.2
+#: The entropy controller's gains (every mode): the proportional term carries the loop (a 10% entropy error
+#: moves the ratio in use by e^1); the integral, ten times slower, removes the offset that is left
+#: (HOW_IT_WORKS.md, "The law"; revised from 0.05 / 2.0 after the learning miniature, LEARNING.md).
+DEFAULT_ENTROPY_CONTROL_KI = 0.1
+DEFAULT_ENTROPY_CONTROL_KP = 10.0
+#: Bounds of the controlled ratio, per mode: KL-Cov's and Clip-Cov's around the papers' 2e-4 and 2e-3 (20x
+#: below the smaller, 25x above the larger, at the ratio-units warning); the 80/20 rule's from 1% of the tokens
+#: to all of them (1 = vanilla: the mode cannot lower entropy further).
+DEFAULT_COV_CONTROL_BOUNDS = (1e-5, 0.05)
+DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS = (0.01, 1.0)
 # verl vanilla's fallback for the dual-clip bound when the actor config has none (core_algos.py ~1323).
 _DEFAULT_CLIP_RATIO_C = 3.0
 
@@ -91,6 +108,7 @@ class KLCovGlobalSettings:
     kl_cov_ratio: float
     ppo_kl_coef: float
     prepass_layout: str
+    entropy_control: Optional[EntropyControlSettings] = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +122,7 @@ class ClipCovGlobalSettings:
     clip_ratio_low: float
     clip_ratio_high: float
     prepass_layout: str
+    entropy_control: Optional[EntropyControlSettings] = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +135,7 @@ class HighEntropyGlobalSettings:
     clip_ratio_high: float
     clip_ratio_c: float
     prepass_layout: str
+    entropy_control: Optional[EntropyControlSettings] = None
 
 
 def validate_clip_ratio_c(value: Any) -> float:
@@ -151,6 +171,21 @@ def _field(policy_loss: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
+def read_entropy_control(policy_loss: Any, bounds: tuple[float, float]) -> Optional[EntropyControlSettings]:
+    """The controller's validated settings from a ``policy_loss`` (None: ``entropy_target`` unset, off).
+
+    ``bounds``: the mode's default ``(min, max)`` of the controlled ratio. verl's own ``PolicyLossConfig`` has
+    none of these keys: the controller needs the plugin's config class (``policy_loss._target_``).
+    """
+    return validate_entropy_control(
+        _field(policy_loss, "entropy_target", None),
+        _field(policy_loss, "entropy_control_ki", DEFAULT_ENTROPY_CONTROL_KI),
+        _field(policy_loss, "entropy_control_kp", DEFAULT_ENTROPY_CONTROL_KP),
+        _field(policy_loss, "entropy_control_min_ratio", bounds[0]),
+        _field(policy_loss, "entropy_control_max_ratio", bounds[1]),
+    )
+
+
 def loss_mode_of(actor_config: Any) -> Optional[str]:
     """The ``policy_loss.loss_mode`` of an actor config (verl ``ActorConfig`` or a mapping like it).
 
@@ -178,6 +213,7 @@ def read_kl_cov_settings(actor_config: Any) -> KLCovGlobalSettings:
         kl_cov_ratio=validate_kl_cov_ratio(_field(policy_loss, "kl_cov_ratio", _DEFAULT_RATIO)),
         ppo_kl_coef=validate_ppo_kl_coef(_field(policy_loss, "ppo_kl_coef", _DEFAULT_COEF)),
         prepass_layout=validate_prepass_layout(_field(policy_loss, "prepass_layout", "infer")),
+        entropy_control=read_entropy_control(policy_loss, DEFAULT_COV_CONTROL_BOUNDS),
     )
 
 
@@ -200,6 +236,7 @@ def read_clip_cov_settings(actor_config: Any) -> ClipCovGlobalSettings:
         clip_ratio_low=validate_clip_ratio(low, "clip_ratio_low"),
         clip_ratio_high=validate_clip_ratio(high, "clip_ratio_high"),
         prepass_layout=validate_prepass_layout(_field(policy_loss, "prepass_layout", "infer")),
+        entropy_control=read_entropy_control(policy_loss, DEFAULT_COV_CONTROL_BOUNDS),
     )
 
 
@@ -220,6 +257,7 @@ def read_high_entropy_settings(actor_config: Any) -> HighEntropyGlobalSettings:
         clip_ratio_high=validate_clip_ratio(high, "clip_ratio_high"),
         clip_ratio_c=validate_clip_ratio_c(_field(actor_config, "clip_ratio_c", _DEFAULT_CLIP_RATIO_C)),
         prepass_layout=validate_prepass_layout(_field(policy_loss, "prepass_layout", "infer")),
+        entropy_control=read_entropy_control(policy_loss, DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS),
     )
 
 
@@ -249,6 +287,11 @@ class KLCovGlobalPolicyLossConfig(PolicyLossConfig):
 
     loss_mode: str = "kl_cov_global"
     prepass_layout: str = "infer"
+    entropy_target: Optional[float] = None
+    entropy_control_ki: float = DEFAULT_ENTROPY_CONTROL_KI
+    entropy_control_kp: float = DEFAULT_ENTROPY_CONTROL_KP
+    entropy_control_min_ratio: float = DEFAULT_COV_CONTROL_BOUNDS[0]
+    entropy_control_max_ratio: float = DEFAULT_COV_CONTROL_BOUNDS[1]
 
     def __post_init__(self):
         _parent_post_init(self, KLCovGlobalPolicyLossConfig)
@@ -256,6 +299,7 @@ class KLCovGlobalPolicyLossConfig(PolicyLossConfig):
         validate_kl_cov_ratio(self.kl_cov_ratio)
         validate_ppo_kl_coef(self.ppo_kl_coef)
         validate_prepass_layout(self.prepass_layout)
+        read_entropy_control(self, DEFAULT_COV_CONTROL_BOUNDS)
 
 
 @dataclass
@@ -269,6 +313,11 @@ class ClipCovGlobalPolicyLossConfig(PolicyLossConfig):
     loss_mode: str = "clip_cov_global"
     clip_cov_seed: int = DEFAULT_CLIP_COV_SEED
     prepass_layout: str = "infer"
+    entropy_target: Optional[float] = None
+    entropy_control_ki: float = DEFAULT_ENTROPY_CONTROL_KI
+    entropy_control_kp: float = DEFAULT_ENTROPY_CONTROL_KP
+    entropy_control_min_ratio: float = DEFAULT_COV_CONTROL_BOUNDS[0]
+    entropy_control_max_ratio: float = DEFAULT_COV_CONTROL_BOUNDS[1]
 
     def __post_init__(self):
         _parent_post_init(self, ClipCovGlobalPolicyLossConfig)
@@ -277,6 +326,7 @@ class ClipCovGlobalPolicyLossConfig(PolicyLossConfig):
         validate_clip_cov_window(self.clip_cov_lb, self.clip_cov_ub)
         validate_clip_cov_seed(self.clip_cov_seed)
         validate_prepass_layout(self.prepass_layout)
+        read_entropy_control(self, DEFAULT_COV_CONTROL_BOUNDS)
 
 
 @dataclass
@@ -290,9 +340,15 @@ class HighEntropyGlobalPolicyLossConfig(PolicyLossConfig):
     loss_mode: str = "high_entropy_global"
     entropy_top_ratio: float = DEFAULT_ENTROPY_TOP_RATIO
     prepass_layout: str = "infer"
+    entropy_target: Optional[float] = None
+    entropy_control_ki: float = DEFAULT_ENTROPY_CONTROL_KI
+    entropy_control_kp: float = DEFAULT_ENTROPY_CONTROL_KP
+    entropy_control_min_ratio: float = DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS[0]
+    entropy_control_max_ratio: float = DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS[1]
 
     def __post_init__(self):
         _parent_post_init(self, HighEntropyGlobalPolicyLossConfig)
         _require_loss_mode(self, HighEntropyGlobalPolicyLossConfig.loss_mode)
         validate_entropy_top_ratio(self.entropy_top_ratio)
         validate_prepass_layout(self.prepass_layout)
+        read_entropy_control(self, DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS)

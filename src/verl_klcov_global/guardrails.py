@@ -26,6 +26,15 @@ trainer config combines them with the rest of verl's config (verl 0.9.1 read for
   (``high_entropy_global``): every valid token keeps the loss, so the update is verl's ``vanilla`` plus a
   prepass.
 
+* ``entropy-target-unreachable`` (error): ``entropy_target`` >= ln(vocabulary size), the entropy of a uniform
+  policy, read from ``config.json`` at ``actor_rollout_ref.model.path`` when that is a local directory (else
+  the worker checks at the first controlled step, :mod:`.engine.control`).
+* ``entropy-control-start-clamped`` (warning): the configured ratio knob lies outside the controller's
+  ``[entropy_control_min_ratio, entropy_control_max_ratio]``: the controller starts from the nearer bound.
+* ``entropy-control-not-checkpointed`` (warning): the controller is on but ``optimizer`` is not in the actor's
+  ``checkpoint.save_contents`` or ``load_contents``: its state travels with the optimizer, so a resumed run
+  starts it again from the configured ratio.
+
 Which mode gets which finding is read from the table of modes (:mod:`.modes`), never from a mode's name.
 
 :func:`findings` is pure: raw (unresolved-or-resolved) ``DictConfig`` in, :class:`Finding` list
@@ -34,6 +43,9 @@ out. :func:`report` raises the errors and emits the warnings (:class:`GuardrailW
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
@@ -238,6 +250,61 @@ def _ratio_findings(config: Any, spec: ModeSpec) -> list[Finding]:
         f"{first_ratio:g}). The run goes on")]
 
 
+def local_vocab_size(config: Any) -> Optional[int]:
+    """``vocab_size`` of ``config.json`` at ``actor_rollout_ref.model.path`` when that is a local directory, else None."""
+    path = _get(config, "actor_rollout_ref.model.path")
+    config_file = os.path.join(os.path.expanduser(str(path)), "config.json") if path else None
+    if config_file is None or not os.path.isfile(config_file):
+        return None
+    try:
+        with open(config_file) as f:
+            model_config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    vocab_size = model_config.get("vocab_size") or (model_config.get("text_config") or {}).get("vocab_size")
+    return vocab_size if isinstance(vocab_size, int) and vocab_size > 1 else None
+
+
+def _controller_findings(config: Any, spec: ModeSpec) -> list[Finding]:
+    try:
+        settings = spec.read_settings(OmegaConf.select(config, ACTOR))
+    except ValueError:
+        return []  # a bad knob: the knob check (driver.check_trainer_config) names it
+    control = getattr(settings, "entropy_control", None)
+    if control is None or not spec.entropy_sign:
+        return []
+    found = []
+    vocab_size = local_vocab_size(config)
+    if vocab_size is not None and control.target >= math.log(vocab_size):
+        found.append(Finding(
+            ERROR, "entropy-target-unreachable", f"{POLICY_LOSS}.entropy_target",
+            f"entropy_target={control.target:g} nats is not below ln(vocabulary size) = ln({vocab_size}) = "
+            f"{math.log(vocab_size):.4g} (the model's config.json), the entropy of a uniform policy: no policy "
+            "reaches it",
+            f"Set {POLICY_LOSS}.entropy_target below {math.log(vocab_size):.4g} (e.g. the entropy your runs start at, "
+            "verl's actor/entropy)"))
+    knob, value = spec.ratio_knob, getattr(settings, spec.ratio_knob)
+    if not (control.min_ratio <= value <= control.max_ratio):
+        start = min(max(value, control.min_ratio), control.max_ratio)
+        found.append(Finding(
+            WARNING, "entropy-control-start-clamped", f"{POLICY_LOSS}.{knob}",
+            f"{knob}={value:g}, the entropy controller's starting point, lies outside its bounds "
+            f"[{control.min_ratio:g}, {control.max_ratio:g}]: the controller starts from {start:g}",
+            f"Set {POLICY_LOSS}.{knob} inside [entropy_control_min_ratio, entropy_control_max_ratio], or widen "
+            "them. The run goes on"))
+    contents = [_get(config, f"{ACTOR}.checkpoint.{key}", ["model", "optimizer", "extra"])
+                for key in ("save_contents", "load_contents")]
+    if any(isinstance(c, (list, tuple)) and "optimizer" not in c for c in contents):
+        found.append(Finding(
+            WARNING, "entropy-control-not-checkpointed", f"{ACTOR}.checkpoint.save_contents",
+            "the entropy controller keeps its state (the ratio it has reached) in the actor's optimizer, and "
+            f"'optimizer' is not in {ACTOR}.checkpoint.save_contents / load_contents: a resumed run starts the "
+            f"controller again from {knob}={value:g}, as it starts the optimizer's moments again",
+            f"Keep 'optimizer' in {ACTOR}.checkpoint.save_contents and load_contents (verl's default) for an exact "
+            "resume. The run goes on"))
+    return found
+
+
 def findings(config: Any) -> list[Finding]:
     """Every whole-config finding for a composed trainer config (``DictConfig``); [] unless it selects a
     global loss mode. Errors first. Reads ``actor_rollout_ref.actor``, ``data``, ``trainer`` and
@@ -247,7 +314,7 @@ def findings(config: Any) -> list[Finding]:
     if mode is None:
         return []
     found = (_bypass_findings(config, mode) + _on_policy_findings(config, mode) + _percentage_findings(config, mode)
-             + _ratio_findings(config, mode) + _keeps_all_findings(config, mode))
+             + _ratio_findings(config, mode) + _keeps_all_findings(config, mode) + _controller_findings(config, mode))
     return sorted(found, key=lambda f: f.severity != ERROR)
 
 

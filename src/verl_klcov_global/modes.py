@@ -9,7 +9,9 @@ none names a mode itself. Adding a mode = one selection function + one :func:`re
 call (``docs/ADDING_A_MODE.md``).
 
 The prepass is the same for every mode: one no-grad forward of the optimizer minibatch (log-probs,
-and the entropy too for a mode whose row sets ``prepass_reads_entropy``), then
+and the entropy too for a mode whose row sets ``prepass_reads_entropy`` or whose entropy controller is
+on, :meth:`ModeSpec.reads_entropy`), then, with the controller on, one step of its law
+(:mod:`.entropy_control`) sets the ratio knob ``ratio_knob`` in the settings, then
 ``mode.select(fields, settings, group)`` on the :class:`~.layout.MinibatchFields` that
 :meth:`ModeSpec.read_minibatch` reads, then the mask travels to the micro-batches.
 """
@@ -57,6 +59,7 @@ class Selection(Protocol):
     mask: torch.Tensor  # (batch, response_len) bool, this rank's minibatch in its original order
     quota: int
     num_selected: int
+    num_valid: int
 
     def figures(self) -> dict[str, float]: ...
 
@@ -101,7 +104,13 @@ class ModeSpec:
       this value (0.05: far above KL-Cov's and Clip-Cov's published values); None: no such warning (a mode
       whose published value is itself large, e.g. ``high_entropy_global``'s 0.2);
       ``ratio_one_is_vanilla``: ``ratio_knob = 1`` selects every valid token and the mode's objective is
-      then verl's ``vanilla`` (:mod:`.guardrails` warns: the prepass buys nothing).
+      then verl's ``vanilla`` (:mod:`.guardrails` warns: the prepass buys nothing);
+    * the entropy controller (:mod:`.entropy_control`, on when the settings carry ``entropy_control``)
+      moves ``ratio_knob`` (the settings field of that name); ``entropy_sign``: +1 where a larger
+      ``ratio_knob`` keeps entropy higher (KL-Cov, Clip-Cov: more tokens penalised or cut), -1 where it
+      lowers entropy (the 80/20 rule: more low-entropy tokens train), 0: the mode has no controller;
+      ``selection_reach(selection)``: the most tokens a larger ratio could select in that step (the
+      anti-wind-up's upper edge): ``num_valid``, or Clip-Cov's candidates.
     """
 
     name: str
@@ -125,6 +134,8 @@ class ModeSpec:
     ratio_warning: Optional[float] = 0.05
     ratio_one_is_vanilla: bool = False
     prepass_reads_entropy: bool = False
+    entropy_sign: int = 0
+    selection_reach: Callable[[Any], int] = lambda selection: selection.num_valid
 
     def __repr__(self) -> str:
         return f"ModeSpec({self.name!r})"
@@ -132,6 +143,13 @@ class ModeSpec:
     def __post_init__(self):
         if self.config_class is not None and getattr(self.config_class, "loss_mode", None) != self.name:
             raise ValueError(f"{self.config_class.__name__}.loss_mode must default to {self.name!r}")
+        if self.entropy_sign not in (-1, 0, 1) or (self.entropy_sign and self.ratio_knob is None):
+            raise ValueError(f"{self.name}: entropy_sign must be -1, 0 or +1, and a controlled mode needs a ratio_knob")
+
+    def reads_entropy(self, settings: Any) -> bool:
+        """Whether this step's prepass computes the entropy: the selection reads it (``prepass_reads_entropy``)
+        or the entropy controller is on (``settings.entropy_control``)."""
+        return self.prepass_reads_entropy or getattr(settings, "entropy_control", None) is not None
 
     @functools.cached_property
     def policy_loss(self) -> Callable:
@@ -141,12 +159,12 @@ class ModeSpec:
     def read_minibatch(self, log_probs: torch.Tensor, data: TensorDict,
                        entropy: Optional[torch.Tensor] = None) -> MinibatchFields:
         """The fields this mode's selection reads from ``data``, dense, next to the (batch, width) ``log_probs``
-        (and ``entropy``, which a mode with ``prepass_reads_entropy`` needs)."""
+        (and ``entropy`` when the prepass computed it; a mode with ``prepass_reads_entropy`` needs it)."""
         if self.prepass_reads_entropy and entropy is None:
             raise ValueError(f"{self.name} selects on the current-policy entropy (prepass_reads_entropy): pass the "
                              "prepass's (batch, width) entropy")
         return read_fields(log_probs, data, self.response_fields, self.sequence_fields, reader=self.name,
-                           entropy=entropy if self.prepass_reads_entropy else None)
+                           entropy=entropy)
 
     def select_minibatch(self, log_probs: torch.Tensor, data: TensorDict, settings: Any,
                          group: Optional[dist.ProcessGroup], entropy: Optional[torch.Tensor] = None) -> Selection:
@@ -220,6 +238,7 @@ KL_COV = register_mode(ModeSpec(
     count_upstream_selected=_count_kl_cov, diagnose_train_layout=True,
     # Cui et al. 2025 (arXiv:2505.22617) and its recipe/entropy/{7b,32b}_kl_cov.sh
     ratio_knob="kl_cov_ratio", paper_ratios=(("7B", 0.002), ("32B", 0.0002)), penalises_log_ratio=True,
+    entropy_sign=+1,  # more tokens with the |log-ratio| penalty hold entropy up (the paper's Fig. 9-10)
 ))
 CLIP_COV = register_mode(ModeSpec(
     name="clip_cov_global", upstream="clip_cov", metric_prefix="actor/clip_cov/",
@@ -229,6 +248,7 @@ CLIP_COV = register_mode(ModeSpec(
     objective=clip_cov_objective, no_mask_error=ClipCovMaskUnavailableError,
     config_class=ClipCovGlobalPolicyLossConfig, count_upstream_selected=_count_clip_cov, draws_at_random=True,
     ratio_knob="clip_cov_ratio", paper_ratios=(("7B", 0.0002), ("32B", 0.0002)),
+    entropy_sign=+1, selection_reach=lambda selection: selection.num_candidates,  # at most every candidate is cut
 ))
 HIGH_ENTROPY = register_mode(ModeSpec(
     name="high_entropy_global", upstream="high_entropy_per_micro_batch", metric_prefix="actor/high_entropy/",
@@ -240,4 +260,5 @@ HIGH_ENTROPY = register_mode(ModeSpec(
     ratio_knob="entropy_top_ratio", paper_ratios=(("14B", 0.2), ("32B", 0.2)),
     # 0.2 is the paper's value, so no units warning; rho = 1 keeps every token: vanilla plus a prepass
     ratio_warning=None, ratio_one_is_vanilla=True,
+    entropy_sign=-1,  # a larger rho trains more low-entropy tokens: entropy falls faster (rho = 1 is vanilla)
 ))

@@ -238,3 +238,25 @@ def test_high_entropy_global_config_plans_its_ratio_and_the_authors_rule_as_upst
     assert plan.options.loss_mode == "high_entropy_global" and plan.options.entropy_top_ratio == 0.1
     assert by_name(plan)["entropy_top_ratio"].value == 0.1
     assert plan_for(None, "high_entropy_global", [], device="cpu").options.entropy_top_ratio == 0.2
+
+
+@pytest.mark.parametrize("name", ["kl_cov_global", "high_entropy_global"])
+def test_the_entropy_controller_is_listed_and_diagnosed_with_the_users_settings(monkeypatch, name):
+    monkeypatch.chdir(REPO)
+    off = plan_for(None, name, [], device="cpu")
+    assert [(s.name, s.value) for s in off.settings if s.name == "entropy controller"] == [("entropy controller", "off")]
+    assert off.options.entropy_control == {}
+    plan = plan_for(None, name, ["actor_rollout_ref.actor.policy_loss.entropy_target=1.5",
+                                 "actor_rollout_ref.actor.policy_loss.entropy_control_ki=0.2"], device="cpu")
+    rows = {s.name: (s.value, s.source) for s in plan.settings}
+    assert rows["entropy_target"] == (1.5, "override") and rows["entropy_control_ki"] == (0.2, "override")
+    assert rows["entropy_control_kp"] == (10.0, "config")  # the plugin's YAML declares every knob
+    assert plan.options.entropy_control == {
+        "entropy_target": 1.5, "entropy_control_ki": 0.2, "entropy_control_kp": 10.0,
+        "entropy_control_min_ratio": rows["entropy_control_min_ratio"][0],
+        "entropy_control_max_ratio": rows["entropy_control_max_ratio"][0]}
+    from verl_klcov_global.lab.diagnose import _actor_config
+    from verl_klcov_global.modes import MODES
+
+    actor = _actor_config(plan.options, name)  # the config diagnose runs the mode with
+    assert MODES[name].read_settings(actor).entropy_control.target == 1.5

@@ -37,7 +37,8 @@ def build_training_worker(
     infer_max_token_len_per_gpu: Optional[int] = 4096,
     seed: int = 0,
 ):
-    """verl's ``TrainingWorker`` (world size 1, gloo) around ``FSDPEngineWithLMHead``, initialised.
+    """verl's ``TrainingWorker`` (world size 1, gloo, or the group already initialised) around
+    ``FSDPEngineWithLMHead``, initialised.
 
     The configs mirror ``_cpu.build_fsdp_engine`` (fp32, sdpa, ``torch.optim.SGD``, constant LR,
     weight decay 0). ``torch.distributed`` is initialised with plain "gloo" first (verl's own
@@ -45,7 +46,8 @@ def build_training_worker(
     on CPU), which also sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT for ``Worker.__init__``.
     """
     _cpu.install_cpu_platform()
-    _cpu.init_process_group_cpu()
+    if not torch.distributed.is_initialized():  # else: a rank of spawn_gloo's group (DP = its world size)
+        _cpu.init_process_group_cpu()
 
     from verl.workers.config import TrainingWorkerConfig
     from verl.workers.engine_workers import TrainingWorker

@@ -85,7 +85,8 @@ def _child(args) -> None:
 
         register_optimizer_step_post_hook(block)
 
-    run = local_trainer.RunConfig(loss_mode=args.loss_mode, steps=args.steps, optimizer=args.optimizer, lr=args.lr)
+    run = local_trainer.RunConfig(loss_mode=args.loss_mode, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
+                                  entropy_target=args.entropy_target)
     _cpu.install_cpu_platform()
     _cpu.init_process_group_cpu(0, 1)  # a free port
     torch.set_num_threads(1)
@@ -107,15 +108,18 @@ def _real_tracking(directory: str):
 
 def start(*, model: str, work_dir: str, out: str, steps: int, loss_mode: str, resume_mode: str,
           optimizer: str = "AdamW", lr: float = 1e-3, block_after_optimizer_steps: int = 0, cwd: str,
-          env: Optional[dict] = None, tracking: str = "") -> subprocess.Popen:
+          env: Optional[dict] = None, tracking: str = "", entropy_target: Optional[float] = None) -> subprocess.Popen:
     """Start one child run in its own process group (session); stdout+stderr go to ``out/log.txt``.
 
-    ``tracking``: a directory for the tensorboard event file of verl's real console+tensorboard logger."""
+    ``tracking``: a directory for the tensorboard event file of verl's real console+tensorboard logger;
+    ``entropy_target``: the mode's entropy controller on, with this target."""
     os.makedirs(out, exist_ok=True)
     argv = [sys.executable, "-m", "tests.trainer_support.restart", "--model", model, "--work-dir", work_dir,
             "--out", out, "--steps", str(steps), "--loss-mode", loss_mode, "--resume-mode", resume_mode,
             "--optimizer", optimizer, "--lr", repr(lr),
             "--block-after-optimizer-steps", str(block_after_optimizer_steps), "--tracking", tracking]
+    if entropy_target is not None:
+        argv += ["--entropy-target", repr(entropy_target)]
     log = open(os.path.join(out, "log.txt"), "w")
     return subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -166,6 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--block-after-optimizer-steps", type=int, default=0)
     parser.add_argument("--tracking", default="")
+    parser.add_argument("--entropy-target", type=float, default=None)
     _child(parser.parse_args(argv))
 
 

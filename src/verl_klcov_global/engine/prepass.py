@@ -6,11 +6,15 @@ loss mode alike (the mode only chooses the selection, :mod:`verl_klcov_global.mo
 1. :func:`compute_prepass_log_probs`: eval mode, no grad, only log-probs (no entropy, no
    distillation), micro-batched by :func:`prepass_forward_batches`, PATCH
    ``prepass_batched_logsumexp`` active (:mod:`.logprobs`), RNG states and module mode restored;
-   for a mode whose row sets ``prepass_reads_entropy`` (``high_entropy_global``),
+   when the step reads the entropy (``ModeSpec.reads_entropy``: a row that sets
+   ``prepass_reads_entropy``, ``high_entropy_global``, or any mode with the entropy controller on),
    :func:`compute_prepass_log_probs_and_entropy` instead: the same forward with verl's
    ``calculate_entropy=True`` and the patch off, i.e. exactly the code and micro-batches of verl's
    ``compute_log_prob`` (``infer`` layout), so its entropy is ``compute_log_prob``'s bit for bit;
-2. ``mode.select_minibatch``: the selection over the minibatch and the data-parallel group.
+2. with the entropy controller on, one step of its law (:func:`.control.steer`): the ratio knob the
+   selection uses this step;
+3. ``mode.select``: the selection over the minibatch and the data-parallel group (then the controller's
+   next state, :func:`.control.settle_after_selection`).
 
 Micro-batching of the prepass (``prepass_layout``):
 
@@ -65,6 +69,7 @@ from verl.workers.utils.padding import no_padding_2_padding
 
 from ..layout import fit_width, padded
 from ..modes import ModeSpec, Selection
+from .control import Steering, settle_after_selection, steer
 from .logprobs import batched_logsumexp
 
 __all__ = [
@@ -86,7 +91,8 @@ class PrepassResult:
     ``selection.mask`` is (batch, response_len) bool over this rank's minibatch,
     in its original sample order; ``mode`` is the loss mode that made it.
     ``optimizer_states_offloaded``: the optimizer states were moved off the device for the
-    prepass (see :func:`optimizer_states_off_device`).
+    prepass (see :func:`optimizer_states_off_device`). ``steering``: the entropy controller's step
+    (its decision and the settings the selection used), None with the controller off.
     """
 
     selection: Selection
@@ -94,29 +100,42 @@ class PrepassResult:
     selection_seconds: float
     mode: ModeSpec
     optimizer_states_offloaded: bool = False
+    steering: Optional[Steering] = None
 
-
+    def figures(self) -> dict[str, float]:
+        """The step's figures for logging (names without the mode's prefix): the selection's, the controller's."""
+        figures = self.selection.figures()
+        if self.steering is not None:
+            figures.update(self.steering.figures(self.mode))
+        return figures
 
 
 def run_prepass_and_select(engine: BaseEngine, data: TensorDict, settings: Any, mode: ModeSpec) -> PrepassResult:
-    """No-grad log-probs (and entropy when ``mode.prepass_reads_entropy``) of the whole minibatch, then
-    ``mode``'s one selection over it and the DP group."""
+    """No-grad log-probs (and entropy when ``mode.reads_entropy(settings)``) of the whole minibatch, then the
+    entropy controller's step if it is on, then ``mode``'s one selection over the minibatch and the DP group."""
     started = time.perf_counter()
     entropy = None
     with torch.profiler.record_function(PREPASS_RECORD_NAME):
         with optimizer_states_off_device(engine, settings.prepass_layout) as offloaded:
-            if mode.prepass_reads_entropy:  # a field of the mode's row, not its name
+            if mode.reads_entropy(settings):  # the mode's row and its settings, not its name
                 log_probs, entropy = compute_prepass_log_probs_and_entropy(engine, data, settings.prepass_layout)
             else:
                 log_probs = compute_prepass_log_probs(engine, data, settings.prepass_layout)
     selected_at = time.perf_counter()
     group = engine.get_data_parallel_group() if dist.is_available() and dist.is_initialized() else None
+    steering = None
     with torch.profiler.record_function(SELECTION_RECORD_NAME):
-        selection = mode.select_minibatch(log_probs, data, settings, group, entropy)
+        fields = mode.read_minibatch(log_probs, data, entropy)
+        if getattr(settings, "entropy_control", None) is not None:
+            steering = steer(engine, mode, settings, fields, group)
+            settings = steering.settings
+        selection = mode.select(fields, settings, group)
+        if steering is not None:
+            settle_after_selection(engine, mode, steering, selection)
     finished = time.perf_counter()
     return PrepassResult(
         selection=selection, prepass_seconds=selected_at - started, selection_seconds=finished - selected_at,
-        mode=mode, optimizer_states_offloaded=offloaded,
+        mode=mode, optimizer_states_offloaded=offloaded, steering=steering,
     )
 
 

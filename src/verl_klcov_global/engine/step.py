@@ -19,11 +19,21 @@ verl's own step it:
 
 Every other loss mode runs verl's ``train_batch`` untouched.
 
-Metrics this module adds to verl's step metrics (prefix: the mode's, e.g. ``actor/kl_cov/``):
-``prepass_seconds`` (forward, including any optimizer-state moves), ``selection_seconds`` and
-``prepass_share`` ((prepass + selection) / wall time of the whole wrapped ``train_batch``:
-verl's ``mfu`` divides the training FLOPs by that wall time). The loss writes the per-micro-batch
-ones (``selected_in_micro_batch`` and the selection's figures).
+Metrics this module adds to verl's step metrics (prefix: the mode's, e.g. ``actor/kl_cov/``), once per
+optimizer step:
+
+* the selection's figures (``Selection.figures()``: ``quota``, ``selected``, ...) and, with the entropy
+  controller on, its figures (``entropy_target``, ``entropy_measured``, ``<ratio knob>_in_use``), each as
+  one ``Metric(AggregationType.MAX, value)``. They are the same on every data-parallel rank (group-wide
+  figures), and verl reduces a MAX metric over the ranks by ``np.max``, which returns one of the identical
+  values exactly, where MEAN's ``np.mean`` of 3, 6 or 7 identical copies can move the last bit. verl's
+  trainer then logs the mean over the trainer step's optimizer steps (``reduce_metrics``), computed from
+  the same per-step values whatever the micro-batch or DP split;
+* ``prepass_seconds`` (forward, including any optimizer-state moves), ``selection_seconds`` and
+  ``prepass_share`` ((prepass + selection) / wall time of the whole wrapped ``train_batch``: verl's
+  ``mfu`` divides the training FLOPs by that wall time), as MEAN: timings differ per rank.
+
+The loss writes one per-micro-batch metric, ``selected_in_micro_batch``.
 """
 
 from __future__ import annotations
@@ -91,14 +101,15 @@ def train_batch_with_prepass(original: Callable, engine: BaseEngine, data: Tenso
         observer(engine, prepass)
     data[MASK_FIELD] = mask_in_layout_of(prepass.selection.mask, data["response_mask"])
     try:
-        outputs = original(engine, data, functools.partial(_loss_with_mask_slice, loss_function,
-                                                           prepass.selection.figures()))
+        outputs = original(engine, data, functools.partial(_loss_with_mask_slice, loss_function))
     finally:
         del data[MASK_FIELD]
     step_seconds = time.perf_counter() - started
     if isinstance(outputs, dict) and isinstance(outputs.get("metrics"), dict):
         prefix = mode.metric_prefix
         plugin_seconds = prepass.prepass_seconds + prepass.selection_seconds
+        outputs["metrics"].update({f"{prefix}{name}": Metric(AggregationType.MAX, value)
+                                   for name, value in prepass.figures().items()})
         outputs["metrics"].update({
             f"{prefix}prepass_seconds": Metric(AggregationType.MEAN, prepass.prepass_seconds),
             f"{prefix}selection_seconds": Metric(AggregationType.MEAN, prepass.selection_seconds),
@@ -121,7 +132,7 @@ def require_supported_engine(engine: BaseEngine, mode: ModeSpec) -> None:
             mode.name, mode.upstream, f"this actor runs {type(engine).__name__} with strategy {strategy!r}"))
 
 
-def _loss_with_mask_slice(loss_function: Callable, figures: dict, *args, **kwargs):
+def _loss_with_mask_slice(loss_function: Callable, *args, **kwargs):
     """verl's loss function, called inside ``provide_selection_mask`` with this micro-batch's mask slice.
 
     verl also passes the same function as a logits processor for top-k distillation
@@ -130,16 +141,15 @@ def _loss_with_mask_slice(loss_function: Callable, figures: dict, *args, **kwarg
     """
     if "student_logits" in kwargs:
         return loss_function(*args, **kwargs)
-    return _policy_loss_with_mask_slice(loss_function, figures, *args, **kwargs)
+    return _policy_loss_with_mask_slice(loss_function, *args, **kwargs)
 
 
-def _policy_loss_with_mask_slice(loss_function: Callable, figures: dict, model_output, data: TensorDict,
-                                 dp_group=None):
+def _policy_loss_with_mask_slice(loss_function: Callable, model_output, data: TensorDict, dp_group=None):
     """``(loss, metrics)`` of verl's loss on this micro-batch, with its slice of the mask provided."""
     if MASK_FIELD not in data.keys():
         raise RuntimeError(
             f"micro-batch lost the per-token field {MASK_FIELD!r} on its way from the minibatch: verl's micro-batch "
             f"splitting changed (known to work: verl {known_versions_text()})"
         )
-    with provide_selection_mask(micro_batch_mask(data, MASK_FIELD), figures):
+    with provide_selection_mask(micro_batch_mask(data, MASK_FIELD)):
         return loss_function(model_output=model_output, data=data, dp_group=dp_group)

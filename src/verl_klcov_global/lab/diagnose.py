@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Iterator, Optional
 
 INVARIANCE_FACTOR = 10.0  # a global mode must stay within this many times the control's noise floor
@@ -92,6 +92,9 @@ class DiagnoseOptions:
     imports: tuple = ()
     #: ``--verbose``: verl's own warnings and logs are shown (at import and while the engines work)
     verbose: bool = False
+    #: the entropy controller's knobs (``entropy_target``, ``entropy_control_*``) of the user's config, given to
+    #: every global mode's config class (``--config-name``); empty: the controller off
+    entropy_control: dict = field(default_factory=dict)
 
     @property
     def explicit_layout(self) -> bool:
@@ -231,7 +234,8 @@ def _actor_config(options: DiagnoseOptions, mode: str):
     spec, forced_layout = variant_of(mode)
     if spec is not None:
         knobs = {key: getattr(options, key) for key in spec.knobs if key != "prepass_layout"}
-        policy_loss = spec.config_class(prepass_layout=forced_layout or options.prepass_layout, **knobs)
+        policy_loss = spec.config_class(prepass_layout=forced_layout or options.prepass_layout, **knobs,
+                                        **options.entropy_control)
         return _tiny.make_actor_config(policy_loss=policy_loss, **actor)
     if mode in measured_losses_of(options):
         return _tiny.make_actor_config(policy_loss=_measured_policy_loss(options, mode), **actor)
@@ -531,7 +535,9 @@ def format_report(report: dict) -> str:
         + (f"; rows [split=...]: {report['other_layout']}" if report.get("other_layout") else "")
         + (" | gradient clipping off" if report.get("measured_losses") else ""),
         f"minibatch: {options['batch_size']} x ({options['prompt_len']} prompt + {options['response_len']} response) "
-        f"tokens | {knobs} | {len(report['modes']['vanilla']['max_param_diff'])} blocks | "
+        f"tokens | {knobs} | "
+        + (f"entropy controller {options['entropy_control']} | " if options.get("entropy_control") else "")
+        + f"{len(report['modes']['vanilla']['max_param_diff'])} blocks | "
         f"{report.get('seconds', '?')} s",
         "",
         f"{'mode':<{width}} {'tokens selected (' + first + ' | ' + second + ')':<44} {'masks':<10} "

@@ -407,6 +407,18 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
         else:
             knobs[knob] = take(knob, key, default, source=SOURCE_DEFAULT,
                                note="not in your policy_loss: the plugin's default")
+    entropy_control = {}
+    if policy_loss is not None:
+        pass  # the plugin's entropy controller drives the table's modes only: no rows for a loss outside it
+    elif r.get(f"{POLICY_LOSS}.entropy_target") is None:
+        fixed("entropy controller", "off", "entropy_target is null: the modes' ratios stay as configured")
+    else:  # every global mode runs with the controller: its first step's ratio is the controller's
+        from ..entropy_control import CONTROL_KNOBS
+
+        for knob in CONTROL_KNOBS:
+            key = f"{POLICY_LOSS}.{knob}"
+            if r.get(key) is not None:
+                entropy_control[knob] = take(knob, key, note="the entropy controller" if knob == "entropy_target" else "")
     clip = {name: take(name, f"{ACTOR}.{name}") for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high",
                                                               "clip_ratio_c")}
 
@@ -558,8 +570,8 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
         loss_mode=loss_mode, batch_size=shape.sequences, prompt_len=shape.prompt_len,
         response_len=shape.response_len, micro_batches=micro_batches, use_remove_padding=use_remove_padding,
         gradient_checkpointing=gradient_checkpointing, loss_agg_mode=loss_agg_mode,
-        loss_scale_factor=loss_scale_factor, compare_prepass_layouts=False, policy_loss=policy_loss, **knobs, **clip,
-        **layout_kwargs,
+        loss_scale_factor=loss_scale_factor, compare_prepass_layouts=False, policy_loss=policy_loss,
+        entropy_control=entropy_control, **knobs, **clip, **layout_kwargs,
     )
     scaling = {"full": asdict(full), "used": asdict(shape), "max_tokens": max_tokens, "scaled": scaled,
                "micro_batches": micro_batches, "data_parallel_size": dp, "text": scaling_text}

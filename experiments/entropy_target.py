@@ -1,0 +1,343 @@
+"""Entropy held on target: the entropy controller on the learning miniature.
+
+``python -m experiments.entropy_target --png docs/entropy_target_cpu.png --json docs/entropy_target_cpu.json``
+runs the learning miniature of :mod:`.learning` (verl's trainer loop in-process, policy-sampled GRPO on a
+64-id tiny Qwen2 that learns from scratch, CPU, fp32, 40 steps of 4 optimizer steps) for each global mode
+with the entropy controller on, at two targets and at micro-batch sizes 1 and 4, plus ``vanilla`` at both
+sizes (its float noise between the sizes is the floor the controlled pairs are compared with). The
+fixed-knob runs of the same miniature (:mod:`.learning`, ``docs/learning_cpu.json``: the same code path
+with the controller off, which is 0.4.1's bit for bit) are drawn beside them.
+
+Settings (:data:`CONTROL`), fixed before the runs: the targets 1.5 and 3.0 nats (the miniature starts at
+ln 64 = 4.16 and vanilla collapses to about 0.2); the product's default gains; bounds [0.001, 1] for every
+mode, since the miniature's knobs live at its own scale (a minibatch of 256 tokens: its fixed-knob runs use
+ratio 0.1, and 1/256 = 0.004 is the quota floor); the starting values are the fixed-knob runs' knobs
+(``kl_cov_ratio`` 0.1, ``clip_cov_ratio`` 0.1 with the window (0, 5), ``entropy_top_ratio`` 0.2). This is the
+study's second attempt: the first, with the gains 0.5.0 had first (``ki`` 0.05, ``kp`` 2.0) and anti-wind-up
+on the integral alone, did not hold any target (``docs/entropy_target_cpu_attempt1.json``, LEARNING.md); the
+gains (``ki`` 0.1, ``kp`` 10) and the anti-wind-up on the ratio in use were revised from that attempt's
+diagnosis before these runs, and not after them.
+
+Reported per mode x target x micro-batch size: the mean |entropy - target| over the last 10 steps, the first
+step from which the entropy stays within 0.2 nats of the target (or never), the final reward (mean of the last
+5 steps) next to the fixed-knob run's and vanilla's, the controlled ratio's trajectory (per trainer step, the
+mean of its optimizer steps' ratios in use), and whether the two sizes' curves agree within 10x vanilla's own
+difference (else the first step where they part). Resumable: the JSON is rewritten after every run and a
+rerun with the same ``--json`` skips the runs it holds; ``--from-json`` redraws without running.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from typing import Optional, Sequence
+
+from .learning import BASE, ENTROPY, NOISE_FACTOR, PREFIXES, REWARD, MakePolicyRollout, float32_spacing
+from .local_trainer import RunConfig, RunResult, run_local
+from .study_cli import (
+    add_output_arguments, finish_study, load_pyplot, new_parser, redraw_from_json, resumed_from, run_in_jobs, save_figure,
+    save_json,
+)
+
+MODES = ("kl_cov_global", "clip_cov_global", "high_entropy_global")
+TARGETS = (1.5, 3.0)
+MICRO_BATCH_SIZES = (1, 4)
+#: The controller's settings of every controlled run (module docstring: why these).
+CONTROL = dict(entropy_control_ki=0.1, entropy_control_kp=10.0, entropy_control_min_ratio=0.001,
+               entropy_control_max_ratio=1.0)
+KNOBS = {"kl_cov_global": "kl_cov_ratio", "clip_cov_global": "clip_cov_ratio",
+         "high_entropy_global": "entropy_top_ratio"}
+LAST_STEPS, BAND, FINAL_STEPS = 10, 0.2, 5
+FIXED_KNOB_JSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                               "learning_cpu.json")
+
+
+def run_key(mode: str, target: Optional[float], micro_batch_size: int) -> str:
+    return f"{mode}/target{target:g}/mbs{micro_batch_size}" if target is not None else f"{mode}/mbs{micro_batch_size}"
+
+
+def planned_runs(steps: int) -> list[RunConfig]:
+    """vanilla at both sizes, then every mode x target x size with the controller on."""
+    base = replace(BASE, steps=steps, **CONTROL)
+    runs = [replace(base, loss_mode="vanilla", micro_batch_size=b) for b in MICRO_BATCH_SIZES]
+    runs += [replace(base, loss_mode=m, entropy_target=t, micro_batch_size=b)
+             for m in MODES for t in TARGETS for b in MICRO_BATCH_SIZES]
+    return runs
+
+
+def study_settings(steps: int) -> dict:
+    """What every run of the study shares (JSON-ready); a resumed study must match it."""
+    return {"base": asdict(replace(BASE, steps=steps)), "control": CONTROL, "targets": list(TARGETS),
+            "modes": list(MODES), "micro_batch_sizes": list(MICRO_BATCH_SIZES)}
+
+
+def _run_one(run: RunConfig, *, model_path: str, work_root: str) -> dict:
+    """One run in its own folder; its JSON-ready record (curves per trainer step)."""
+    from verl_klcov_global.lab.diagnose import quiet_verl
+
+    from .learning_task import write_dataset
+
+    key = run_key(run.loss_mode, run.entropy_target, run.micro_batch_size)
+    run_dir = os.path.join(work_root, key.replace("/", "-"))  # no "=": the paths go into Hydra overrides
+    os.makedirs(run_dir, exist_ok=True)
+    with quiet_verl():
+        started = time.perf_counter()
+        (result,) = run_local([run], model_path=model_path, work_dir=run_dir,
+                              make_rollout=MakePolicyRollout(model_path), dataset=write_dataset)
+        seconds = time.perf_counter() - started
+    return record(result, key, seconds)
+
+
+def record(result: RunResult, key: str, seconds: float) -> dict:
+    """A run's record: entropy, reward and (controlled) the controller's figures per trainer step."""
+    run = result.config
+    out = {"key": key, "mode": run.loss_mode, "target": run.entropy_target,
+           "micro_batch_size": run.micro_batch_size, "seconds": seconds,
+           "entropy": [m[ENTROPY] for m in result.metrics], "reward": [m[REWARD] for m in result.metrics],
+           "rollout_digest": list(result.rollout_digest)}
+    if run.entropy_target is not None:
+        prefix = PREFIXES[run.loss_mode]
+        out["ratio_in_use"] = [m[f"{prefix}{KNOBS[run.loss_mode]}_in_use"] for m in result.metrics]
+        out["entropy_measured"] = [m[f"{prefix}entropy_measured"] for m in result.metrics]
+        out["selected"] = [m.get(f"{prefix}selected", m.get(f"{prefix}clipped")) for m in result.metrics]
+    return out
+
+
+# -- the report -------------------------------------------------------------------------------------------
+
+
+def settling_step(entropy: Sequence[float], target: float, band: float = BAND) -> Optional[int]:
+    """The first trainer step (1-based) from which every later step's entropy is within ``band`` of ``target``."""
+    for i in range(len(entropy)):
+        if all(abs(h - target) <= band for h in entropy[i:]):
+            return i + 1
+    return None
+
+
+def parting_step(a: Sequence[float], b: Sequence[float], tolerance: float) -> Optional[int]:
+    """The first trainer step (1-based) where two curves differ by more than ``tolerance``, or None."""
+    return next((i + 1 for i, (x, y) in enumerate(zip(a, b)) if abs(x - y) > tolerance), None)
+
+
+def _final(values: Sequence[float]) -> float:
+    return sum(values[-FINAL_STEPS:]) / len(values[-FINAL_STEPS:])
+
+
+def fixed_knob_runs(path: str = FIXED_KNOB_JSON) -> dict:
+    """The learning study's curves (``{"<mode>/mbs<b>": {"entropy": ..., "reward": ...}}``), or {} if absent."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f).get("curves", {})
+
+
+def summarize(study: dict) -> dict:
+    """Per controlled run its figures, per controlled pair the comparison with vanilla's floor."""
+    runs, fixed = study["runs"], study.get("fixed_knob", {})
+    small, large = MICRO_BATCH_SIZES
+    floor = {}
+    if all(run_key("vanilla", None, b) in runs for b in MICRO_BATCH_SIZES):
+        a, b = (runs[run_key("vanilla", None, s)] for s in MICRO_BATCH_SIZES)
+        for name in ("entropy", "reward"):
+            floor[name] = max(abs(x - y) for x, y in zip(a[name], b[name]))
+        floor["entropy"] = max(floor["entropy"], float32_spacing(a["entropy"] + b["entropy"]))
+    vanilla_final = {s: _final(runs[run_key("vanilla", None, s)]["reward"])
+                     for s in MICRO_BATCH_SIZES if run_key("vanilla", None, s) in runs}
+    per_run, pairs = {}, {}
+    for mode in MODES:
+        for target in TARGETS:
+            for size in MICRO_BATCH_SIZES:
+                run = runs.get(run_key(mode, target, size))
+                if run is None:
+                    continue
+                tail = run["entropy"][-LAST_STEPS:]
+                fixed_curve = fixed.get(f"{mode}/mbs{size}")
+                per_run[run["key"]] = {
+                    "mean_abs_error_last_10": sum(abs(h - target) for h in tail) / len(tail),
+                    "settling_step": settling_step(run["entropy"], target),
+                    "entropy_end": run["entropy"][-1], "final_reward": _final(run["reward"]),
+                    "fixed_knob_final_reward": _final(fixed_curve["reward"]) if fixed_curve else None,
+                    "fixed_knob_entropy_end": fixed_curve["entropy"][-1] if fixed_curve else None,
+                    "vanilla_final_reward": vanilla_final.get(size),
+                    "ratio_start": run["ratio_in_use"][0], "ratio_end": run["ratio_in_use"][-1],
+                    "ratio_min": min(run["ratio_in_use"]), "ratio_max": max(run["ratio_in_use"]),
+                    "seconds": run["seconds"]}
+            a, b = (runs.get(run_key(mode, target, s)) for s in MICRO_BATCH_SIZES)
+            if a is None or b is None:
+                continue
+            pair = {name: max(abs(x - y) for x, y in zip(a[name], b[name])) for name in ("entropy", "reward")}
+            pair["ratio_in_use"] = max(abs(math.log(x) - math.log(y)) for x, y in zip(a["ratio_in_use"], b["ratio_in_use"]))
+            pair["same_rollouts"] = a["rollout_digest"] == b["rollout_digest"]
+            pair["first_differing_rollout_step"] = next(
+                (i + 1 for i, (x, y) in enumerate(zip(a["rollout_digest"], b["rollout_digest"])) if x != y), None)
+            if floor:
+                pair["ratio_to_vanilla"] = {n: (0.0 if pair[n] == 0 else math.inf if floor[n] == 0 else pair[n] / floor[n])
+                                            for n in ("entropy", "reward")}
+                pair["within_noise"] = max(pair["ratio_to_vanilla"].values()) <= NOISE_FACTOR
+                pair["parts_at_step"] = parting_step(a["entropy"], b["entropy"], NOISE_FACTOR * floor["entropy"])
+            pairs[f"{mode}/target{target:g}"] = pair
+    return {"floor": floor, "runs": per_run, "pairs": pairs}
+
+
+def _cell(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_report(study: dict) -> str:
+    summary = study["summary"]
+    lines = [f"controller: {study['settings']['control']}; vanilla's float noise between micro-batch sizes 1 and 4: "
+             f"entropy {summary['floor'].get('entropy', math.nan):.2e}, reward {summary['floor'].get('reward', math.nan):.2e}",
+             "run                                 |H-target| last 10  within 0.2 from  end H   final reward (fixed knob, "
+             "vanilla)   ratio start -> end [min, max]"]
+    for key, r in summary["runs"].items():
+        settle = f"step {r['settling_step']}" if r["settling_step"] else "never"
+        lines.append(f"{key:36s} {r['mean_abs_error_last_10']:8.3f}           {settle:10s}  {r['entropy_end']:.3f}   "
+                     f"{r['final_reward']:.3f} ({_cell(r['fixed_knob_final_reward'], '.3f')}, "
+                     f"{_cell(r['vanilla_final_reward'], '.3f')})      {r['ratio_start']:.4g} -> {r['ratio_end']:.4g} "
+                     f"[{r['ratio_min']:.4g}, {r['ratio_max']:.4g}]")
+    lines.append("micro-batch 1 vs 4: max over steps |difference| (ratio to vanilla's)")
+    for key, p in summary["pairs"].items():
+        ratio = p.get("ratio_to_vanilla", {})
+        rollouts = "identical" if p["same_rollouts"] else f"differ from step {p['first_differing_rollout_step']}"
+        parted = "" if p.get("parts_at_step") is None else f", parts at step {p['parts_at_step']}"
+        lines.append(f"  {key:28s} entropy {p['entropy']:.2e} ({ratio.get('entropy', math.nan):.3g}x)  reward "
+                     f"{p['reward']:.2e} ({ratio.get('reward', math.nan):.3g}x)  ln(ratio) {p['ratio_in_use']:.2e}  "
+                     f"rollouts {rollouts}{parted}")
+    return "\n".join(lines)
+
+
+COLORS = {"kl_cov_global": "tab:blue", "clip_cov_global": "tab:green", "high_entropy_global": "tab:cyan"}
+TARGET_COLORS = {1.5: "tab:red", 3.0: "tab:purple"}
+
+
+def plot(study: dict, path: str) -> None:
+    """One row per mode: entropy against the targets (with the fixed-knob run and vanilla), the controlled
+    ratio's trajectory, the reward; micro-batch size 1 solid, 4 dashed."""
+    plt = load_pyplot()
+    runs, fixed = study["runs"], study.get("fixed_knob", {})
+    fig, axes = plt.subplots(len(MODES), 3, figsize=(16, 4.2 * len(MODES)), squeeze=False)
+    styles = {MICRO_BATCH_SIZES[0]: "-", MICRO_BATCH_SIZES[1]: "--"}
+    for row, mode in zip(axes, MODES):
+        ax_h, ax_k, ax_r = row
+        for size, ls in styles.items():
+            vanilla = runs.get(run_key("vanilla", None, size))
+            if vanilla:
+                steps = range(1, len(vanilla["entropy"]) + 1)
+                ax_h.plot(steps, vanilla["entropy"], color="0.55", ls=ls, lw=1.0, label=f"vanilla, mbs {size}")
+                ax_r.plot(steps, vanilla["reward"], color="0.55", ls=ls, lw=1.0, label=f"vanilla, mbs {size}")
+            curve = fixed.get(f"{mode}/mbs{size}")
+            if curve:
+                steps = range(1, len(curve["entropy"]) + 1)
+                ax_h.plot(steps, curve["entropy"], color="0.2", ls=ls, lw=1.0, label=f"fixed knob, mbs {size}")
+                ax_r.plot(steps, curve["reward"], color="0.2", ls=ls, lw=1.0, label=f"fixed knob, mbs {size}")
+            for target in TARGETS:
+                run = runs.get(run_key(mode, target, size))
+                if not run:
+                    continue
+                steps = range(1, len(run["entropy"]) + 1)
+                color = TARGET_COLORS[target]
+                label = f"target {target:g}, mbs {size}"
+                ax_h.plot(steps, run["entropy"], color=color, ls=ls, lw=1.8, label=label)
+                ax_k.plot(steps, run["ratio_in_use"], color=color, ls=ls, lw=1.8, label=label)
+                ax_r.plot(steps, run["reward"], color=color, ls=ls, lw=1.8, label=label)
+        for target in TARGETS:
+            ax_h.axhline(target, color=TARGET_COLORS[target], lw=0.8, alpha=0.5)
+            ax_h.axhspan(target - BAND, target + BAND, color=TARGET_COLORS[target], alpha=0.08)
+        ax_h.set_title(f"{mode}: policy entropy (actor/entropy) vs targets (+-{BAND} band)")
+        ax_k.set_title(f"{KNOBS[mode]} in use (mean of each step's optimizer steps)")
+        ax_k.set_yscale("log")
+        ax_r.set_title("mean reward (share of target tokens)")
+        for ax in row:
+            ax.set_xlabel("trainer step")
+            ax.grid(True, alpha=0.3)
+        ax_h.legend(fontsize=7, ncol=2)
+        ax_k.legend(fontsize=7)
+    cfg, control = study["settings"]["base"], study["settings"]["control"]
+    fig.suptitle(
+        "Entropy controller on the learning miniature (verl 0.9.1 trainer loop, policy-sampled GRPO, CPU fp32, tiny "
+        f"Qwen2 of 64 ids): micro-batch 1 solid, 4 dashed\n{cfg['prompts_per_step']}x{cfg['responses_per_prompt']} "
+        f"responses per step, {cfg['prompts_per_step'] // cfg['mini_batch_prompts']} minibatches x {cfg['ppo_epochs']} "
+        f"epochs, {cfg['optimizer']} lr {cfg['lr']}; ki {control['entropy_control_ki']}, kp "
+        f"{control['entropy_control_kp']}, bounds [{control['entropy_control_min_ratio']}, "
+        f"{control['entropy_control_max_ratio']}]; starts: kl_cov_ratio {cfg['kl_cov_ratio']}, clip_cov_ratio "
+        f"{cfg['clip_cov_ratio']}, entropy_top_ratio {cfg['entropy_top_ratio']}", fontsize=11)
+    save_figure(fig, path, dpi=80)
+
+
+# -- the study --------------------------------------------------------------------------------------------
+
+
+def _cost(run: RunConfig) -> float:
+    return run.steps * (run.mini_batch_prompts * run.responses_per_prompt / run.micro_batch_size + 8)
+
+
+def run_study(runs: Sequence[RunConfig], study: dict, *, jobs: int, json_path: Optional[str] = None,
+              progress=print) -> dict:
+    """The runs not yet in ``study['runs']``, longest first over ``jobs`` processes; each finished run is added
+    to ``study`` and saved to ``json_path`` at once (what makes a rerun resume)."""
+    from .learning_task import build_learning_model
+
+    todo = [r for r in runs if run_key(r.loss_mode, r.entropy_target, r.micro_batch_size) not in study["runs"]]
+    progress(f"{len(todo)} runs to do ({len(runs) - len(todo)} already in the JSON), {jobs} job(s)")
+    if not todo:
+        return study
+    total, spent, started = sum(map(_cost, todo)), 0.0, time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="entropy_target_cpu_") as work_root:
+        model = build_learning_model(os.path.join(work_root, "model"))
+
+        def finished(index: int, run: dict) -> None:
+            nonlocal spent
+            spent += _cost(todo[index])
+            study["runs"][run["key"]] = run
+            if json_path:
+                save_json(study, json_path)
+            elapsed = time.perf_counter() - started
+            end = f"end entropy {run['entropy'][-1]:.2f}, final reward {_final(run['reward']):.3f}"
+            progress(f"[{len(study['runs'])}/{len(runs)}] {run['key']}: {run['seconds']:.0f} s, {end}; "
+                     f"{elapsed / 60:.1f} min elapsed, ~{elapsed / spent * (total - spent) / 60:.1f} min left")
+
+        run_in_jobs(functools.partial(_run_one, model_path=model, work_root=work_root), todo, jobs=jobs, cost=_cost,
+                    on_result=finished)
+    return study
+
+
+def _prepare(study: dict) -> None:
+    study.setdefault("fixed_knob", fixed_knob_runs())
+    study["summary"] = summarize(study)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = new_parser("python -m experiments.entropy_target", __doc__)
+    add_output_arguments(parser)  # --png, --json (also what a rerun resumes from), --from-json
+    parser.add_argument("--steps", type=int, default=BASE.steps, help="GRPO steps per run (default %(default)s)")
+    parser.add_argument("--jobs", type=int, default=2, help="processes running runs in parallel (default %(default)s)")
+    args = parser.parse_args(argv)
+    if args.from_json:
+        return redraw_from_json(args, format_report, plot, prepare=_prepare)
+    if args.steps < LAST_STEPS:
+        parser.error(f"--steps must be at least {LAST_STEPS}")
+    settings = study_settings(args.steps)
+    study = {"settings": settings, "runs": {}, "seconds": 0.0}
+    earlier = resumed_from(args.json, settings)
+    if earlier is not None:
+        study.update(runs=earlier.get("runs", {}), seconds=earlier.get("seconds", 0.0))
+    started = time.perf_counter()
+    run_study(planned_runs(args.steps), study, jobs=args.jobs, json_path=args.json,
+              progress=lambda message: print(message, flush=True))
+    study["seconds"] += time.perf_counter() - started
+    study["jobs"] = args.jobs
+    if args.steps == BASE.steps:  # the fixed-knob curves are the learning study's 40 steps
+        study["fixed_knob"] = fixed_knob_runs()
+    study["summary"] = summarize(study)
+    finish_study(study, args, started, format_report, plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

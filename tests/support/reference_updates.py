@@ -1,0 +1,131 @@
+"""Updates recorded from verl-klcov-global 0.4.1, to show that a later version with its new features off
+changes nothing (``tests/engine/test_controller_off.py``).
+
+:func:`record` runs, on verl's real FSDP engine (CPU, fp32, the lab's SGD engine), one optimizer update of
+a frozen minibatch per (loss mode, micro-batch layout): ``vanilla`` (the canary: it shows whether this
+machine's arithmetic is the recording machine's) and the three global modes, each in 1 and in 4 static
+micro-batches. It returns, per update, what must stay bit-identical:
+
+* ``masks``: each optimizer step's selection mask, as the hex of its bits (row-major) and its shape;
+* ``pg_loss``: ``actor/pg_loss`` of every micro-batch, ``grad_norm``, as ``float.hex`` (exact);
+* ``params``: the sha256 of the updated parameters (float64, sorted-key order, ``lab.cpu.engine_params_flat``)
+  and, to read a mismatch, their sum and largest change from the initial weights as ``float.hex``.
+
+It uses only the lab API that 0.4.1 already had. Recorded with::
+
+    python -m tests.support.reference_updates tests/data/updates_0.4.1.json
+
+from a checkout of 0.4.1 (commit 5810af9, torch 2.13.0 CPU, AVX512, one thread), which writes the JSON and
+the machine it ran on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sys
+import tempfile
+
+import torch
+
+MODEL_SEED = 0
+BATCH, PROMPT, RESPONSE = 16, 8, 32
+LAYOUTS = (1, 4)  # static micro-batches of 16 and of 4 rows
+#: The knobs of each recorded mode (a clip_cov window with candidates on the tiny model; diagnose's).
+KNOBS = {
+    "vanilla": {},
+    "kl_cov_global": dict(kl_cov_ratio=0.02, ppo_kl_coef=1.0),
+    "clip_cov_global": dict(clip_cov_ratio=0.02, clip_cov_lb=0.3, clip_cov_ub=5.0, clip_cov_seed=7),
+    "high_entropy_global": dict(entropy_top_ratio=0.2),
+}
+
+
+def actor_config(mode: str):
+    """The recorded actor config of ``mode`` (the plugin's config class for a global mode)."""
+    from verl_klcov_global.config import (
+        ClipCovGlobalPolicyLossConfig, HighEntropyGlobalPolicyLossConfig, KLCovGlobalPolicyLossConfig,
+    )
+    from verl_klcov_global.lab import tiny
+
+    classes = {"kl_cov_global": KLCovGlobalPolicyLossConfig, "clip_cov_global": ClipCovGlobalPolicyLossConfig,
+               "high_entropy_global": HighEntropyGlobalPolicyLossConfig}
+    if mode == "vanilla":
+        return tiny.make_actor_config(loss_mode="vanilla")
+    return tiny.make_actor_config(policy_loss=classes[mode](**KNOBS[mode]))
+
+
+def _model_digest(path: str) -> str:
+    """sha256 over the tiny model's weight file (the builder must still build the recorded model)."""
+    import os
+
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(path, name), "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()
+
+
+def _bits(mask: torch.Tensor) -> str:
+    """A bool mask as the hex of its bits, row-major (``numpy.packbits``)."""
+    import numpy as np
+
+    return np.packbits(mask.to(torch.bool).reshape(-1).numpy()).tobytes().hex()
+
+
+def _hex_list(metric) -> list[str]:
+    values = metric.values if hasattr(metric, "values") else [metric]
+    return [float(torch.as_tensor(v).item()).hex() for v in values]
+
+
+def record(model_path: str) -> dict:
+    """The recorded figures of every (mode, layout) update (see the module docstring)."""
+    from verl_klcov_global.lab import cpu
+    from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch, one_update, static_layouts
+
+    cpu.install_cpu_platform()
+    cpu.init_process_group_cpu()
+    torch.manual_seed(0)
+    spec = EngineSpec(model_path=model_path, infer_micro_batch_size_per_gpu=8)
+    batch = frozen_minibatch(spec, seed=11, batch_size=BATCH, prompt_len=PROMPT, response_len=RESPONSE,
+                             vary_lengths=True)
+    initial = cpu.engine_params_flat(spec.build())
+    updates = {}
+    for mode in KNOBS:
+        for layout in static_layouts(BATCH, LAYOUTS[1]):
+            outcome = one_update(spec, batch, actor_config(mode), layout)
+            params = outcome.params
+            updates[f"{mode} / {layout.name}"] = {
+                "masks": [{"shape": list(mask.shape), "bits": _bits(mask)}
+                          for mask in outcome.masks],
+                "pg_loss": _hex_list(outcome.metrics["actor/pg_loss"]),
+                "grad_norm": _hex_list(outcome.metrics["grad_norm"]),
+                "params_sha256": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
+                "params_sum": float(params.sum()).hex(),
+                "params_max_change": float((params - initial).abs().max()).hex(),
+            }
+    return {"model_sha256": _model_digest(model_path), "updates": updates}
+
+
+def machine() -> dict:
+    """What decides this machine's float arithmetic, as far as torch tells."""
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+
+
+def main(argv: list[str]) -> None:
+    from verl_klcov_global import __version__
+    from verl_klcov_global.lab.tiny import build_tiny_model
+
+    torch.set_num_threads(1)  # the tests run each update in an xdist worker with one thread
+    with tempfile.TemporaryDirectory() as work:
+        figures = record(build_tiny_model(f"{work}/model", seed=MODEL_SEED))
+    figures.update(version=__version__, machine=machine())
+    with open(argv[0], "w") as f:
+        json.dump(figures, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,279 @@
+"""The entropy controller's law (``entropy_control.py``), its knobs on every config route, and the driver's checks.
+
+The law is tested on plain numbers: the sign, the bounded error, the bounds, the anti-wind-up at the quota
+floor and at the selection's reach, no movement without valid tokens. The knobs: declared in the three
+config classes and YAML configs (a plain override with ``--config-name=<mode>``), on verl's config with
+``policy_loss._target_`` and ``+``; bad values stop verl's ``validate_config`` (the driver, before Ray) with
+the key named; the whole-config findings (an unreachable target, a clamped start, a checkpoint without the
+optimizer).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+
+from verl_klcov_global import driver
+from verl_klcov_global.config import (
+    ClipCovGlobalPolicyLossConfig, HighEntropyGlobalPolicyLossConfig, KLCovGlobalPolicyLossConfig,
+)
+from verl_klcov_global.entropy_control import (
+    CONTROL_KNOBS, ControllerState, EntropyControlSettings, clamp_start, decide, measure_entropy, relative_error,
+    settle, validate_entropy_control,
+)
+from verl_klcov_global.guardrails import GuardrailWarning, findings
+from verl_klcov_global.modes import MODES
+
+from .trainer_support import trainer
+
+PL = "actor_rollout_ref.actor.policy_loss."
+CLASSES = {"kl_cov_global": KLCovGlobalPolicyLossConfig, "clip_cov_global": ClipCovGlobalPolicyLossConfig,
+           "high_entropy_global": HighEntropyGlobalPolicyLossConfig}
+SETTINGS = EntropyControlSettings(target=2.0, ki=0.1, kp=1.0, min_ratio=1e-4, max_ratio=0.5)
+
+
+def _state(ratio: float) -> ControllerState:
+    return ControllerState(knob="kl_cov_ratio", log_ratio=math.log(ratio))
+
+
+# ---------------------------------------------------------------------------------------------
+# The law
+
+
+def test_the_error_is_the_relative_gap_bounded_to_one():
+    assert relative_error(2.0, 1.0) == 0.5 and relative_error(2.0, 4.0) == -0.5
+    assert relative_error(2.0, 0.0) == 1.0 and relative_error(2.0, 1e9) == pytest.approx(-1.0)
+    assert relative_error(2.0, 2.0) == 0.0 and relative_error(2.0, math.nan) == 0.0
+
+
+@pytest.mark.parametrize("sign", [+1, -1])
+def test_pi_in_log_space_moves_the_ratio_by_the_sign_and_the_gains(sign):
+    state = _state(0.01)
+    low = decide(state, entropy=1.0, num_valid=100, settings=SETTINGS, sign=sign)  # below target: e = 0.5
+    assert low.error == 0.5
+    assert low.integral == pytest.approx(math.log(0.01) + sign * 0.1 * 0.5)
+    assert math.log(low.ratio_in_use) == pytest.approx(low.integral + sign * 1.0 * 0.5)
+    high = decide(state, entropy=4.0, num_valid=100, settings=SETTINGS, sign=sign)  # above: e = -0.5
+    assert (high.ratio_in_use < 0.01) == (sign > 0) and (low.ratio_in_use > 0.01) == (sign > 0)
+    # one step moves ln(ratio) by at most ki + kp, whatever the gap
+    far = decide(state, entropy=1e6, num_valid=100, settings=SETTINGS, sign=sign)
+    assert abs(math.log(far.ratio_in_use) - math.log(0.01)) <= 1.1 + 1e-12
+
+
+def test_the_ratio_and_the_integral_stay_within_the_bounds():
+    for entropy, start in ((0.0, 0.49), (100.0, 1.1e-4)):
+        decision = decide(_state(start), entropy, 100, SETTINGS, +1)
+        assert SETTINGS.min_ratio <= decision.ratio_in_use <= SETTINGS.max_ratio
+        assert math.log(SETTINGS.min_ratio) <= decision.integral <= math.log(SETTINGS.max_ratio)
+    assert clamp_start(0.9, SETTINGS) == (0.5, True) and clamp_start(1e-6, SETTINGS) == (1e-4, True)
+    assert clamp_start(0.01, SETTINGS) == (0.01, False)
+
+
+def test_no_valid_token_means_no_measurement_and_no_movement():
+    state = _state(0.01)
+    decision = decide(state, math.nan, 0, SETTINGS, +1)
+    assert decision.error == 0.0 and decision.ratio_in_use == pytest.approx(0.01)
+    assert settle(state, decision, SETTINGS, num_valid=0, reach=0).log_ratio == state.log_ratio
+    assert "entropy_measured" not in decision.figures("kl_cov_ratio", 2.0)  # no NaN reaches a logger
+
+
+def test_no_integration_while_the_ratio_in_use_sits_below_the_quota_floor():
+    # N = 100: any ratio below 1/100 selects one token
+    state = _state(0.0105)
+    falling = decide(state, 4.0, 100, SETTINGS, +1)  # e = -0.5: integral and P both push down
+    assert falling.integral < state.log_ratio and falling.ratio_in_use < 0.01
+    assert settle(state, falling, SETTINGS, num_valid=100, reach=100).log_ratio == state.log_ratio
+    # inside the range the integral moves; and rising from the floor is always allowed
+    high = _state(0.3)
+    inside = decide(high, 2.5, 100, SETTINGS, +1)
+    assert 0.01 < inside.ratio_in_use < 0.3
+    assert settle(high, inside, SETTINGS, 100, 100).log_ratio == inside.integral < high.log_ratio
+    rising = decide(_state(0.005), 1.0, 100, SETTINGS, +1)
+    assert settle(_state(0.005), rising, SETTINGS, 100, 100).log_ratio == rising.integral > math.log(0.005)
+
+
+def test_no_integration_beyond_the_selections_reach_or_the_bounds():
+    # Clip-Cov with 20 candidates of N = 100: beyond ratio 0.2 every candidate is already cut
+    state = _state(0.15)
+    rising = decide(state, 1.0, 100, SETTINGS, +1)  # e = +0.5
+    assert rising.integral > state.log_ratio and rising.ratio_in_use > 0.2
+    assert settle(state, rising, SETTINGS, num_valid=100, reach=20).log_ratio == state.log_ratio
+    assert settle(state, rising, SETTINGS, num_valid=100, reach=100).log_ratio == rising.integral  # within reach
+    falling = decide(state, 4.0, 100, SETTINGS, +1)
+    assert settle(state, falling, SETTINGS, 100, 20).log_ratio == falling.integral < state.log_ratio
+    # the in-use ratio clamped at max_ratio (0.5): no further upward integration
+    top = _state(0.45)
+    pushed = decide(top, 0.5, 1000, SETTINGS, +1)
+    assert pushed.ratio_in_use == pytest.approx(0.5)
+    assert settle(top, pushed, SETTINGS, 1000, 1000).log_ratio == top.log_ratio
+    # with the sign -1 (80/20) the same edges hold: e > 0 pushes the ratio down
+    low = _state(0.0105)
+    down = decide(low, 1.0, 100, SETTINGS, -1)
+    assert down.ratio_in_use < 0.01 and settle(low, down, SETTINGS, 100, 100).log_ratio == low.log_ratio
+    # nothing within reach (no candidate): the ratio acts on nothing, the integral does not move
+    assert settle(state, falling, SETTINGS, num_valid=100, reach=0).log_ratio == state.log_ratio
+    assert settle(state, rising, SETTINGS, 100, 20).steps == state.steps + 1
+
+
+def test_the_state_round_trips_through_a_plain_dict():
+    state = ControllerState(knob="clip_cov_ratio", log_ratio=-7.25, steps=12)
+    assert ControllerState.from_dict(json.loads(json.dumps(state.to_dict()))) == state
+
+
+def test_measure_entropy_is_the_exact_mean_over_valid_tokens():
+    entropy = torch.tensor([[1.0, 2.0, float("nan")], [3.0, 0.5, 7.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    mean, count = measure_entropy(entropy, mask, SETTINGS, None)
+    assert count == 4 and mean == pytest.approx(6.5 / 4, abs=1e-15)
+    assert measure_entropy(entropy, torch.zeros_like(mask), SETTINGS, None)[1] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Knobs: validation, the config classes, the YAMLs, the routes
+
+
+@pytest.mark.parametrize("target, message", [
+    (0, "entropy_target must be a finite number of nats > 0"), (-1.0, "got -1.0"), (math.nan, "got nan"),
+    (math.inf, "got inf"), (True, "got True"), ("1.5", "got '1.5'")])
+def test_a_bad_target_is_refused_with_its_key(target, message):
+    with pytest.raises(ValueError, match=f"{message}.*set {PL}entropy_target"):
+        validate_entropy_control(target, 0.1, 10.0, 1e-5, 0.05)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((1.5, -0.1, 10.0, 1e-5, 0.05), "entropy_control_ki must be finite and >= 0"),
+    ((1.5, 0.1, math.nan, 1e-5, 0.05), "entropy_control_kp must be finite and >= 0"),
+    ((1.5, 0.0, 0.0, 1e-5, 0.05), "both 0: the controller would never move"),
+    ((1.5, 0.1, 10.0, 0.0, 0.05), r"entropy_control_min_ratio must be finite and in \(0, 1\]"),
+    ((1.5, 0.1, 10.0, 1e-5, 2.0), r"entropy_control_max_ratio must be finite and in \(0, 1\]"),
+    ((1.5, 0.1, 10.0, 0.05, 0.05), "entropy_control_min_ratio must be below entropy_control_max_ratio"),
+    ((None, "0.1", 10.0, 1e-5, 0.05), "entropy_control_ki"),  # checked with the controller off too
+])
+def test_bad_gains_and_bounds_are_refused_with_their_keys(args, message):
+    with pytest.raises(ValueError, match=message):
+        validate_entropy_control(*args)
+
+
+def test_null_target_is_off_and_the_defaults_are_valid():
+    assert validate_entropy_control(None, 0.1, 10.0, 1e-5, 0.05) is None
+    for mode, cls in CLASSES.items():
+        config = cls()
+        assert config.entropy_target is None
+        assert MODES[mode].read_settings(_actor(config)).entropy_control is None
+        on = MODES[mode].read_settings(_actor(cls(entropy_target=1.5)))
+        assert on.entropy_control.target == 1.5
+        assert (on.entropy_control.min_ratio, on.entropy_control.max_ratio) == (
+            config.entropy_control_min_ratio, config.entropy_control_max_ratio)
+        with pytest.raises(ValueError, match="entropy_target"):
+            cls(entropy_target=-1.0)  # the class validates on construction (driver and every worker)
+
+
+def test_every_mode_row_names_its_knob_and_sign():
+    assert {name: (mode.ratio_knob, mode.entropy_sign) for name, mode in MODES.items()} == {
+        "kl_cov_global": ("kl_cov_ratio", +1), "clip_cov_global": ("clip_cov_ratio", +1),
+        "high_entropy_global": ("entropy_top_ratio", -1)}
+
+
+def _actor(policy_loss):
+    from verl.workers.config import ActorConfig
+
+    return ActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+                       policy_loss=policy_loss)
+
+
+def _compose(mode: str, overrides: list[str], *, route: str = "config_name"):
+    """``--config-name=<mode>`` (the plugin's YAML), or verl's ``ppo_trainer`` with ``_target_`` and ``+``."""
+    GlobalHydra.instance().clear()
+    try:
+        if route == "config_name":
+            with initialize_config_dir(config_dir=trainer.CONFIG_DIR, version_base=None):
+                return compose(config_name=mode, overrides=overrides)
+        target = f"{CLASSES[mode].__module__}.{CLASSES[mode].__name__}"
+        plus = [f"+{o}" if o.startswith(PL) and o[len(PL):].split("=")[0] in CONTROL_KNOBS else o for o in overrides]
+        with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+            return compose(config_name="ppo_trainer",
+                           overrides=[f"{PL}loss_mode={mode}", f"{PL}_target_={target}", *plus])
+    finally:
+        GlobalHydra.instance().clear()
+
+
+@pytest.mark.parametrize("route", ["config_name", "target"])
+@pytest.mark.parametrize("mode", list(CLASSES))
+def test_the_knobs_take_a_plain_override_and_reach_the_actor_config(mode, route):
+    config = _compose(mode, [f"{PL}entropy_target=1.5", f"{PL}entropy_control_ki=0.2", f"{PL}entropy_control_kp=0.5",
+                             f"{PL}entropy_control_min_ratio=0.001", f"{PL}entropy_control_max_ratio=0.3",
+                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"], route=route)
+    assert driver.check_trainer_config(config) == mode
+    from verl.utils.config import omega_conf_to_dataclass
+
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)  # what verl's validate_config and workers build
+    assert type(actor.policy_loss) is CLASSES[mode]
+    control = MODES[mode].read_settings(actor).entropy_control
+    assert control == EntropyControlSettings(target=1.5, ki=0.2, kp=0.5, min_ratio=0.001, max_ratio=0.3)
+
+
+BAD = [("entropy_target", "0", r"entropy_target must be a finite number of nats > 0 \(or null: no controller\), got 0"),
+       ("entropy_target", "true", "got True"), ("entropy_target", "nan", "got nan"),
+       ("entropy_target", "'1.5'", "got '1.5'"), ("entropy_control_ki", "-1", "entropy_control_ki must be"),
+       ("entropy_control_kp", "inf", "entropy_control_kp must be"),
+       ("entropy_control_max_ratio", "2", "entropy_control_max_ratio must be"),
+       ("entropy_control_min_ratio", "0.9", "must be below entropy_control_max_ratio")]
+
+
+@pytest.mark.parametrize("route", ["config_name", "target"])
+@pytest.mark.parametrize("key, value, message", BAD)
+def test_a_bad_knob_stops_verls_validate_config_in_the_driver_with_the_key(key, value, message, route):
+    target = [] if key == "entropy_target" else [f"{PL}entropy_target=1.5"]
+    config = _compose("kl_cov_global", [*target, f"{PL}{key}={value}"], route=route)
+    with pytest.raises(driver.TrainerConfigError, match=f"(?s)^verl-klcov-global: loss_mode=kl_cov_global: .*{message}"):
+        trainer.validate_trainer_config(config)  # verl's validate_config, as main_ppo calls it before ray.init
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole-config findings
+
+
+def _model_dir(tmp_path, vocab_size: int) -> str:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": vocab_size}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("mode", list(CLASSES))
+def test_a_target_at_or_above_ln_vocab_stops_the_driver(mode, tmp_path):
+    model = _model_dir(tmp_path, 512)  # ln 512 = 6.238
+    ok = _compose(mode, [f"{PL}entropy_target=6.2", f"actor_rollout_ref.model.path={model}"])
+    assert not [f for f in findings(ok) if f.code == "entropy-target-unreachable"]
+    config = _compose(mode, [f"{PL}entropy_target=6.3", f"actor_rollout_ref.model.path={model}"])
+    with pytest.raises(driver.TrainerConfigError, match=r"entropy_target=6\.3 nats is not below ln\(vocabulary size\) "
+                                                        r"= ln\(512\) = 6\.238.*policy_loss\.entropy_target"):
+        driver.check_trainer_config(config)
+    # a path that is not a local directory (a hub name): the worker checks at its first controlled step
+    remote = _compose(mode, [f"{PL}entropy_target=6.3", "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B"])
+    assert not [f for f in findings(remote) if f.code == "entropy-target-unreachable"]
+
+
+def test_a_start_outside_the_bounds_is_clamped_with_a_warning_not_refused():
+    config = _compose("kl_cov_global", [f"{PL}entropy_target=1.5", f"{PL}kl_cov_ratio=0.2"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert driver.check_trainer_config(config) == "kl_cov_global"
+    texts = [str(w.message) for w in caught if issubclass(w.category, GuardrailWarning)]
+    assert any("kl_cov_ratio=0.2, the entropy controller's starting point, lies outside its bounds [1e-05, 0.05]: "
+               "the controller starts from 0.05" in t for t in texts), texts
+    off = _compose("kl_cov_global", [f"{PL}kl_cov_ratio=0.2"])
+    assert not [f for f in findings(off) if f.code.startswith("entropy-control")]
+
+
+def test_a_checkpoint_without_the_optimizer_warns_that_a_resume_restarts_the_controller():
+    config = _compose("high_entropy_global", [f"{PL}entropy_target=1.5",
+                                              "actor_rollout_ref.actor.checkpoint.save_contents=[model,extra]"])
+    codes = [f.code for f in findings(config)]
+    assert "entropy-control-not-checkpointed" in codes
+    assert "entropy-control-not-checkpointed" not in [f.code for f in findings(
+        _compose("high_entropy_global", [f"{PL}entropy_target=1.5"]))]  # verl's default saves the optimizer
