@@ -249,10 +249,10 @@ def plot(study: dict, path: str) -> None:
         for target in TARGETS:
             ax_h.axhline(target, color=TARGET_COLORS[target], lw=0.8, alpha=0.5)
             ax_h.axhspan(target - BAND, target + BAND, color=TARGET_COLORS[target], alpha=0.08)
-        ax_h.set_title(f"{mode}: policy entropy (actor/entropy) vs targets (+-{BAND} band)")
-        ax_k.set_title(f"{KNOBS[mode]} in use (mean of each step's optimizer steps)")
+        ax_h.set_title(f"{mode}: entropy vs targets (+-{BAND})", fontsize=10)
+        ax_k.set_title(f"{KNOBS[mode]} in use (step mean)", fontsize=10)
         ax_k.set_yscale("log")
-        ax_r.set_title("mean reward (share of target tokens)")
+        ax_r.set_title("mean reward (share of target tokens)", fontsize=10)
         for ax in row:
             ax.set_xlabel("trainer step")
             ax.grid(True, alpha=0.3)
