@@ -46,7 +46,8 @@ if [ "$VERSION" = main ]; then
     "tests/engine/test_engine_clip_cov.py::test_all_candidates_clipped_static_micro_batches_equal_verl_clip_cov_on_one" \
     "tests/engine/test_engine_clip_cov.py::test_sampled_mask_on_two_dp_ranks_is_the_single_rank_mask" \
     "tests/engine/test_engine_high_entropy.py::test_prepass_entropy_is_verls_compute_log_prob_entropy_bit_for_bit" \
-    "tests/engine/test_engine_high_entropy.py::test_dp_2_and_ulysses_sp_2_give_the_single_process_mask_figures_and_update" "$@"
+    "tests/engine/test_engine_high_entropy.py::test_dp_2_and_ulysses_sp_2_give_the_single_process_mask_figures_and_update" \
+    "tests/engine/test_entropy_control.py::test_the_first_step_is_bit_identical_for_3_vs_5_micro_batches_and_dp_1_vs_2" "$@"
   echo "verl $VERSION job: engine invariance ${SECONDS} s"; SECONDS=0
 else
   SUBSET=(
@@ -66,6 +67,11 @@ else
     # modes' prepasses stay entropy-free (~8 s; the whole file passes on 0.8.0 too, ~3 min)
     "tests/engine/test_engine_high_entropy.py::test_prepass_entropy_is_verls_compute_log_prob_entropy_bit_for_bit"
     "tests/engine/test_engine_high_entropy.py::test_kl_cov_and_clip_cov_prepasses_compute_no_entropy_and_keep_the_in_place_patch"
+    # the entropy controller: its law, knobs and driver checks; its first step bit-identical for 3 vs 5
+    # micro-batches and DP 1 vs 2 through verl's TrainingWorker (all of tests/engine/test_entropy_control.py and
+    # test_controller_off.py pass on 0.8.0 too, ~65 s serial)
+    tests/test_entropy_control.py
+    "tests/engine/test_entropy_control.py::test_the_first_step_is_bit_identical_for_3_vs_5_micro_batches_and_dp_1_vs_2"
   )
   # CI time: the fsdp2 variants of the static 64-vs-8 engine test (~105 s) are left to the main suite;
   # fsdp2 stays covered here by tests/engine/test_engine_clip_cov.py's fsdp2 cases.
