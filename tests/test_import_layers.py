@@ -19,7 +19,7 @@ LAYERS = [
     ["loss"],
     ["modes"],
     ["guardrails"],
-    ["driver", "engine.logprobs"],
+    ["driver", "engine.logprobs", "engine.reuse"],
     ["engine.prepass"],
     ["engine.step"],
     ["engine.patches", "engine"],

@@ -60,7 +60,8 @@ def test_every_patch_of_the_catalogue_is_guarded_by_a_seam():
     """A patch whose target moves must fail at import, by name: each one names a seam that is checked."""
     names = {seam.name for seam in seams.SEAMS}
     assert [patch.name for patch in PATCHES] == [
-        "train_batch_prepass", "validate_config_driver_checks", "prepass_batched_logsumexp"]
+        "train_batch_prepass", "validate_config_driver_checks", "prepass_batched_logsumexp",
+        "log_prob_pass_context", "log_prob_pass_keep", "weight_restore_bumps_version"]
     for patch in PATCHES:
         assert patch.seam in names, patch
 

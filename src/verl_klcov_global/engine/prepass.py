@@ -65,13 +65,14 @@ from verl.workers.utils.padding import no_padding_2_padding
 
 from ..layout import fit_width, padded
 from ..modes import ModeSpec, Selection
+from . import reuse
 from .logprobs import batched_logsumexp
 
 __all__ = [
     "PREPASS_RECORD_NAME", "SELECTION_RECORD_NAME", "PrepassResult", "compute_prepass_log_probs",
     "compute_prepass_log_probs_and_entropy",
     "optimizer_states_off_device", "prepass_forward_batches", "preserved_rng_states", "run_prepass_and_select",
-    "static_prepass_chunk_sizes",
+    "static_prepass_chunk_sizes", "step_needs_entropy",
 ]
 
 #: ``torch.profiler.record_function`` names of the prepass forward and of the selection.
@@ -86,7 +87,9 @@ class PrepassResult:
     ``selection.mask`` is (batch, response_len) bool over this rank's minibatch,
     in its original sample order; ``mode`` is the loss mode that made it.
     ``optimizer_states_offloaded``: the optimizer states were moved off the device for the
-    prepass (see :func:`optimizer_states_off_device`).
+    prepass (see :func:`optimizer_states_off_device`). ``reused``: no prepass ran, the statistics are
+    verl's own log-prob pass's (:mod:`.reuse`); then ``prepass_seconds`` is 0 and ``selection_seconds``
+    includes the look-up.
     """
 
     selection: Selection
@@ -94,29 +97,44 @@ class PrepassResult:
     selection_seconds: float
     mode: ModeSpec
     optimizer_states_offloaded: bool = False
+    reused: bool = False
+
+
+def step_needs_entropy(mode: ModeSpec, settings: Any) -> bool:
+    """Whether this optimizer step's statistics include the entropy: the one place that says so, for the
+    prepass's forward and for what :mod:`.reuse` keeps of verl's log-prob pass."""
+    return mode.prepass_reads_entropy  # a field of the mode's row, not its name
 
 
 
 
 def run_prepass_and_select(engine: BaseEngine, data: TensorDict, settings: Any, mode: ModeSpec) -> PrepassResult:
-    """No-grad log-probs (and entropy when ``mode.prepass_reads_entropy``) of the whole minibatch, then
-    ``mode``'s one selection over it and the DP group."""
+    """No-grad log-probs (and entropy when :func:`step_needs_entropy`) of the whole minibatch, then
+    ``mode``'s one selection over it and the DP group. No forward where verl's own log-prob pass computed
+    them with these very parameters (:func:`.reuse.take`, collective)."""
+    needs_entropy = step_needs_entropy(mode, settings)
     started = time.perf_counter()
-    entropy = None
-    with torch.profiler.record_function(PREPASS_RECORD_NAME):
-        with optimizer_states_off_device(engine, settings.prepass_layout) as offloaded:
-            if mode.prepass_reads_entropy:  # a field of the mode's row, not its name
-                log_probs, entropy = compute_prepass_log_probs_and_entropy(engine, data, settings.prepass_layout)
-            else:
-                log_probs = compute_prepass_log_probs(engine, data, settings.prepass_layout)
-    selected_at = time.perf_counter()
+    # [reuse] verl's own log-prob pass, where it was made with these very parameters (engine/reuse.py)
+    reused = reuse.take(engine, data, layout=settings.prepass_layout, needs_entropy=needs_entropy)
+    if reused is not None:
+        (log_probs, entropy), offloaded, prepass_seconds = reused, False, 0.0
+    else:  # [/reuse]
+        entropy = None
+        with torch.profiler.record_function(PREPASS_RECORD_NAME):
+            with optimizer_states_off_device(engine, settings.prepass_layout) as offloaded:
+                if needs_entropy:
+                    log_probs, entropy = compute_prepass_log_probs_and_entropy(engine, data, settings.prepass_layout)
+                else:
+                    log_probs = compute_prepass_log_probs(engine, data, settings.prepass_layout)
+        prepass_seconds = time.perf_counter() - started
+    selected_at = started + prepass_seconds
     group = engine.get_data_parallel_group() if dist.is_available() and dist.is_initialized() else None
     with torch.profiler.record_function(SELECTION_RECORD_NAME):
         selection = mode.select_minibatch(log_probs, data, settings, group, entropy)
     finished = time.perf_counter()
     return PrepassResult(
-        selection=selection, prepass_seconds=selected_at - started, selection_seconds=finished - selected_at,
-        mode=mode, optimizer_states_offloaded=offloaded,
+        selection=selection, prepass_seconds=prepass_seconds, selection_seconds=finished - selected_at,
+        mode=mode, optimizer_states_offloaded=offloaded, reused=reused is not None,
     )
 
 
