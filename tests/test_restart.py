@@ -17,7 +17,8 @@ moments must come back from the checkpoint too), a checkpoint after every step
 Required: steps 1-2 of the killed run and 3-4 of the resumed run log exactly the metrics of the
 uninterrupted run's steps 1-4 (every metric but timings, throughput and memory: selection counts,
 pg_loss, grad_norm, entropy included), and the resumed run's parameters after the load and at
-the end equal the uninterrupted run's at step 2 and step 4.
+the end equal the uninterrupted run's at step 2 and step 4. In every step, the resumed run's first
+included, the first optimizer step reuses verl's own log-prob pass (``prepass_reused`` 0.25).
 
 The uninterrupted ``high_entropy_global`` run also logs every step through verl's real console and
 tensorboard loggers (``trainer_support/restart.py --tracking``): every ``actor/high_entropy/`` figure is
@@ -97,6 +98,9 @@ def test_a_run_killed_during_step_3_and_resumed_equals_an_uninterrupted_run(tiny
     for m in stitched:
         assert all(k in m for k in required), sorted(m)
         assert m[prefix + "selected"] >= 1  # the selection acted in every step: not a vacuous comparison
+        # the first of the step's 4 optimizer steps took verl's log-prob pass's statistics (engine/reuse.py),
+        # in the resumed run's first step too: verl loads the checkpoint before that step's log-prob pass
+        assert m[prefix + "prepass_reused"] == 0.25, (m["step"], m[prefix + "prepass_reused"])
     compared = sum(1 for k in stitched[0] if _deterministic(k))
     assert after["rollout_digest"] == reference["rollout_digest"][2:]
     assert torch.equal(after["params"][0], reference["params"][2])   # the checkpoint loaded exactly
