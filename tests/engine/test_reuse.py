@@ -270,9 +270,13 @@ def test_separate_async_local_steps_after_the_first_run_the_prepass(tiny_model_p
     the weights (pi_old) and computes the old log-probs directly; step k >= 1 saves the current weights, restores
     pi_old, computes, restores the current ones. Driven here with verl's own ``DetachActorWorker`` methods (the
     whole trainer needs Ray, a standalone rollout and an NCCL checkpoint engine: not on a CPU)."""
+    import verl.utils.fsdp_utils as fsdp_utils
     from omegaconf import OmegaConf
     from verl.experimental.separation.engine_workers import DetachActorWorker
 
+    if strategy == "fsdp" and not hasattr(fsdp_utils, "fsdp1_sharded_load_from_cpu"):
+        pytest.skip("verl 0.8.0's DetachActorWorker restores FSDP1 with its FSDP2 helper, which refuses FSDP1's "
+                    "parameters: separate_async with strategy=fsdp does not run there at all")
     training = build_training_worker(tiny_model_path, strategy=strategy, lr=0.1, clip_grad=1.0,
                                      micro_batch_size_per_gpu=8, infer_micro_batch_size_per_gpu=16)
     use_mode(training, "kl_cov_global")
