@@ -20,6 +20,7 @@ against the prepass's, computed on the same rows at the same parameters with reu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -104,11 +105,25 @@ def update(worker, batch, *, mini_batch: int = ROWS, epochs: int = 1, shuffle: b
     return tu.get(worker.train_mini_batch(data), "metrics")
 
 
+@contextlib.contextmanager
+def _recording_prepass_statistics():
+    """The (log-probs, entropy or None) of every prepass forward inside the block, in a list."""
+    stats = []
+    real_lp, real_both = engine_prepass.compute_prepass_log_probs, engine_prepass.compute_prepass_log_probs_and_entropy
+    engine_prepass.compute_prepass_log_probs = lambda *a: stats.append((real_lp(*a), None)) or stats[-1][0]
+    engine_prepass.compute_prepass_log_probs_and_entropy = lambda *a: stats.append(real_both(*a)) or stats[-1]
+    try:
+        yield stats
+    finally:
+        engine_prepass.compute_prepass_log_probs = real_lp
+        engine_prepass.compute_prepass_log_probs_and_entropy = real_both
+
+
 class Steps:
     """Every optimizer step's outcome, next to the prepass's on the same rows at the same parameters.
 
-    Wraps the hook's ``run_prepass_and_select``: after the real call (which may reuse) it runs the prepass
-    with reuse off, and computes the prepass's statistics directly, before verl's step moves the weights.
+    Wraps the hook's ``run_prepass_and_select``: after the real call (which may reuse) it runs it again with
+    reuse off, recording the prepass's statistics, before verl's step moves the weights.
     """
 
     def __init__(self, monkeypatch, *, reference: bool = True):
@@ -125,12 +140,9 @@ class Steps:
             result = real_run(engine, data, settings, mode)
             step = {"result": result, "taken": taken[0] if taken else None, "reason": reuse.last_reason(engine)}
             if reference:
-                with reuse.disabled():
+                with reuse.disabled(), _recording_prepass_statistics() as stats:
                     step["reference"] = real_run(engine, data, settings, mode)
-                    if engine_prepass.step_needs_entropy(mode, settings):
-                        step["stats"] = engine_prepass.compute_prepass_log_probs_and_entropy(engine, data, "infer")
-                    else:
-                        step["stats"] = (engine_prepass.compute_prepass_log_probs(engine, data, "infer"), None)
+                step["stats"] = stats[0]
             self.steps.append(step)
             return result
 
@@ -153,9 +165,10 @@ class Steps:
         assert result.prepass_seconds == 0.0 < reference.prepass_seconds
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def worker(tiny_model_path):
-    """verl's TrainingWorker (FSDP1, SGD lr 0.1): log-prob micro-batches of 16 rows, training ones of 8."""
+    """verl's TrainingWorker (FSDP1, SGD lr 0.1): log-prob micro-batches of 16 rows, training ones of 8. One per
+    test (under a second): the module's tests then spread over the xdist workers (tests/conftest.py)."""
     return build_training_worker(tiny_model_path, lr=0.1, clip_grad=1.0, micro_batch_size_per_gpu=8,
                                  infer_micro_batch_size_per_gpu=16)
 
