@@ -15,7 +15,8 @@ Variants: ``kl_cov`` / ``kl_cov_global``, ``clip_cov`` / ``clip_cov_global``, ``
 reuse switched off (``[prepass]``: what 0.4.1 ran, a prepass every optimizer step). Figures: medians of the
 update's and the pass's wall seconds, the update over its upstream's (ratio of medians and median of the
 per-round ratios), the same for pass + update (the actor's share of a trainer step), and the kept bytes.
-``--memory``: peak resident-set growth of one pass + update per variant, each in a fresh process.
+``--memory``: peak resident-set growth of one pass + update per variant (on-policy setup), each in a fresh
+process (glibc's mmap threshold at 128 KiB, so freed tensors leave the resident set).
 
 Run: ``.venv/bin/python -m benchmarks.bench_reuse [--reps N] [--threads N] [--memory] [--json PATH]``.
 Nothing here asserts a time.
@@ -260,11 +261,13 @@ def main(argv=None) -> int:
         model_dir = args.model or build_tiny_model(os.path.join(scratch, "tiny"), seed=0)
         payload: dict[str, Any] = {"machine": machine(), "reps": args.reps, "threads": torch.get_num_threads(),
                                    "cases": []}
+        payload["machine"]["command"] = " ".join(["python", "-m", "benchmarks.bench_reuse", *(argv or sys.argv[1:])])
         for case in cases:
             progress(f"[{case}] {len(VARIANTS)} variants x {len(SETUPS)} setups, {args.reps} rounds")
             payload["cases"].append(run_case(model_dir, case, reps=args.reps, warmup=args.warmup, progress=progress))
         if args.memory:
-            payload["memory"] = measure_memory(model_dir, cases, list(SETUPS), progress=progress)
+            # the on-policy setup, where reuse leaves no prepass at all: what the kept data does to the peak
+            payload["memory"] = measure_memory(model_dir, cases, list(SETUPS)[:1], progress=progress)
     payload["seconds"] = time.perf_counter() - started
     payload["machine"]["load_average_end"] = load_average()
     print(report(payload))
