@@ -41,6 +41,7 @@ are the lab's, never applied by the plugin, and listed in :mod:`verl_klcov_globa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from dataclasses import dataclass
@@ -178,8 +179,6 @@ def _training_worker_class():
 
 def _log_prob_pass_of(worker, data):
     """:func:`.reuse.log_prob_pass` for this ``TrainingWorker.infer_batch`` call, or a null context."""
-    import contextlib
-
     config = actor_config_of(getattr(worker, "loss_fn", None))  # None for a reference or value model
     mode = global_mode_of(config)
     engine = getattr(worker, "engine", None)
@@ -209,7 +208,11 @@ def install_reuse() -> None:
 
         @functools.wraps(current_worker_infer)  # keeps verl's @register dispatch attributes
         def worker_infer_batch(self, data, *args, **kwargs):
-            with _log_prob_pass_of(self, data):
+            try:
+                context = _log_prob_pass_of(self, data)
+            except Exception:  # never verl's pass's failure: nothing is kept, the update runs the prepass
+                context = contextlib.nullcontext()
+            with context:
                 return current_worker_infer(self, data, *args, **kwargs)
 
         setattr(worker_infer_batch, ORIGINAL_ATTR, current_worker_infer)

@@ -209,14 +209,17 @@ def after_infer_batch(engine, data: TensorDict, outputs: Any) -> None:
     current = _PASS.get()
     if current is None or current.engine is not engine or _DISABLED[0]:
         return
-    state = _tracked_state(engine)
-    if state is None:
-        return
-    state.kept = None  # a new pass replaces the previous one, whatever happens below
-    try:
+    state = None
+    try:  # whatever goes wrong here costs a prepass later, never verl's pass
+        state = _tracked_state(engine)
+        if state is None:
+            return
+        state.kept = None  # a new pass replaces the previous one, whatever happens below
         state.kept, state.missing = _keep(state.version, data, outputs, current.keep_entropy)
-    except Exception as error:  # a layout this code does not know: no reuse, never a failed pass
-        state.missing = f"verl's log-prob pass could not be kept ({type(error).__name__}: {error})"
+    except Exception as error:  # e.g. a layout this code does not know
+        if state is not None:
+            state.kept = None
+            state.missing = f"verl's log-prob pass could not be kept ({type(error).__name__}: {error})"
 
 
 def _keep(version: int, data: TensorDict, outputs: Any, keep_entropy: bool) -> tuple[Optional[_Kept], str]:
@@ -266,8 +269,9 @@ def take(engine, data: TensorDict, *, layout: str, needs_entropy: bool) -> Optio
     if layout != "infer" or _DISABLED[0]:  # the same on every rank: no agreement needed
         return None
     with torch.profiler.record_function(REUSE_RECORD_NAME):
-        state = _STATES.get(engine)
-        try:
+        state = None
+        try:  # every rank must reach the agreement below, whatever happens here
+            state = _STATES.get(engine)
             found, reason = _look_up(engine, state, data, needs_entropy)
         except Exception as error:  # never fail a step for want of reuse: the prepass runs
             found, reason = None, f"look-up failed ({type(error).__name__}: {error})"
