@@ -427,7 +427,7 @@ def _row_digests(data: TensorDict) -> Optional[list[bytes]]:
         digest.update(torch.tensor([int(prompt_lens[row]), int(response_lens[row])]).numpy().tobytes())
         for tensor in (ids, positions):
             digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
-            digest.update(tensor.contiguous().numpy().tobytes())
+            digest.update(tensor.contiguous().numpy())  # the buffer itself, no copy
         if temperatures is not None:
             digest.update(temperatures[row].numpy().tobytes())
         digests.append(digest.digest())
