@@ -16,9 +16,12 @@
 # engine; tests marked `needs_entry_point_group` (0.8 has no `verl.plugins` group; its route,
 # VERL_USE_EXTERNAL_MODULES, is tests/test_loading_routes.py) or `needs_driver_validate_config` (0.8's
 # main_ppo validates in the TaskRunner, after ray.init) are deselected. Files left out entirely drive
-# verl's Ray trainer, TrainingWorker, CLI, examples or the GPU kit, which this job does not claim for 0.8.
+# verl's Ray trainer, CLI, examples or the GPU kit, which this job does not claim for 0.8; of the
+# TrainingWorker tests, those of the reuse of verl's log-prob pass that rest on verl's worker code
+# (REUSE below: the whole file passes on 0.8.0 and main, ~2 min each).
 # main: the whole fast tier (`-m "not slow"`, less the version-independent files above), then the
-# engine-level tests that show the invariance on verl's real FSDP engine: padded and packed, and DP 2.
+# engine-level tests that show the invariance on verl's real FSDP engine: padded and packed, and DP 2,
+# and REUSE.
 #
 # VERL_JOB_SETUP=0 skips the set-up (the venv exists already: .ci/run makes it in the background).
 set -euo pipefail
@@ -28,6 +31,18 @@ shift
 VENV=.venv-verl-$VERSION
 export PYTHONUNBUFFERED=1
 VERSION_INDEPENDENT=(--ignore=tests/selection --ignore=tests/test_import_layers.py)
+
+# verl's log-prob pass in place of the prepass (engine/reuse.py), where it rests on verl's own code: reuse bit
+# for bit with the entropy of verl's pass, only on an update's first step (the optimizer hook), never after a
+# checkpoint load (verl's load path) or a separate_async restore (verl's helpers), and the LoRA reference pass
+# (verl's TrainingWorker) left alone. The rest of tests/engine/test_reuse.py is version-independent logic.
+REUSE=(
+  "tests/engine/test_reuse.py::test_an_on_policy_update_reuses_verls_pass_and_selects_what_the_prepass_selects[high_entropy_global-v1]"
+  "tests/engine/test_reuse.py::test_only_the_first_optimizer_step_of_an_update_reuses"
+  "tests/engine/test_reuse.py::test_a_checkpoint_load_between_the_pass_and_the_update_runs_the_prepass"
+  "tests/engine/test_reuse.py::test_separate_async_local_steps_after_the_first_run_the_prepass[fsdp2]"
+  "tests/engine/test_reuse.py::test_the_lora_reference_pass_between_the_pass_and_the_update_is_not_kept"
+)
 
 SECONDS=0
 if [ "${VERL_JOB_SETUP:-1}" != 0 ]; then
@@ -47,7 +62,8 @@ if [ "$VERSION" = main ]; then
     "tests/engine/test_engine_clip_cov.py::test_sampled_mask_on_two_dp_ranks_is_the_single_rank_mask" \
     "tests/engine/test_engine_high_entropy.py::test_prepass_entropy_is_verls_compute_log_prob_entropy_bit_for_bit" \
     "tests/engine/test_engine_high_entropy.py::test_dp_2_and_ulysses_sp_2_give_the_single_process_mask_figures_and_update" \
-    "tests/engine/test_entropy_control.py::test_the_first_step_is_bit_identical_for_3_vs_5_micro_batches_and_dp_1_vs_2" "$@"
+    "tests/engine/test_entropy_control.py::test_the_first_step_is_bit_identical_for_3_vs_5_micro_batches_and_dp_1_vs_2" \
+    "${REUSE[@]}" "$@"
   echo "verl $VERSION job: engine invariance ${SECONDS} s"; SECONDS=0
 else
   SUBSET=(
@@ -72,6 +88,8 @@ else
     # test_controller_off.py pass on 0.8.0 too, ~65 s serial)
     tests/test_entropy_control.py
     "tests/engine/test_entropy_control.py::test_the_first_step_is_bit_identical_for_3_vs_5_micro_batches_and_dp_1_vs_2"
+    tests/test_reuse_rows.py
+    "${REUSE[@]}"
   )
   # CI time: the fsdp2 variants of the static 64-vs-8 engine test (~105 s) are left to the main suite;
   # fsdp2 stays covered here by tests/engine/test_engine_clip_cov.py's fsdp2 cases.

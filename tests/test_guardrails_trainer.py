@@ -109,6 +109,11 @@ def test_legacy_trainer_bypass_mode_keeps_the_global_loss_on_the_worker(run, dec
         assert figures["actor/kl_cov/selected"] >= 1  # the plugin's selection ran in every step
         assert figures["actor/ppo_kl"] > 0.1            # |log pi - log pi_rollout|, not ~0
     assert [f["actor/ppo_kl"] for f in _figures(decoupled_base)] != [f["actor/ppo_kl"] for f in _figures(result)]
+    # no actor log-prob pass in bypass mode: the prepass ran in every step (engine/reuse.py); decoupled, the
+    # on-policy update (one minibatch, one epoch) took the statistics of verl's log-prob pass instead
+    assert [m["actor/kl_cov/prepass_reused"] for m in result.metrics] == [0.0, 0.0]
+    assert all(m["actor/kl_cov/prepass_seconds"] > 0 for m in result.metrics)
+    assert [m["actor/kl_cov/prepass_reused"] for m in decoupled_base.metrics] == [1.0, 1.0]
 
 
 @pytest.mark.slow
@@ -234,13 +239,18 @@ def test_v1_async_trainers_update_through_the_shared_update_actor():
 
 def test_lora_reference_log_probs_bypass_the_hook():
     """``ref_in_actor`` (LoRA): verl computes reference log-probs with ``TrainingWorker.infer_batch`` and
-    ``no_lora_adapter`` (adapters disabled around ``engine.infer_batch``); the hook wraps only
-    ``BaseEngine.train_batch``, so reference log-probs are verl's own. The prepass calls
-    ``engine.infer_batch`` inside the training step with the adapters as training has them."""
+    ``no_lora_adapter`` (adapters disabled around ``engine.infer_batch``). The hook wraps
+    ``BaseEngine.train_batch``; the reuse of verl's log-prob pass wraps ``infer_batch`` only to keep a copy of
+    what it returns, and never for a call with ``no_lora_adapter`` (``tests/engine/test_reuse.py``), so
+    reference log-probs are verl's own. The prepass calls ``engine.infer_batch`` inside the training step with
+    the adapters as training has them."""
     from verl.workers.engine.base import BaseEngine
     from verl.workers.engine_workers import TrainingWorker
 
+    from verl_klcov_global.engine import patches
+
     assert hasattr(BaseEngine.train_batch, "__verl_klcov_global_original__")
-    assert not hasattr(BaseEngine.infer_batch, "__verl_klcov_global_original__")
-    assert "disable_adapter()" in inspect.getsource(TrainingWorker.infer_batch)
+    assert hasattr(BaseEngine.infer_batch, "__verl_klcov_global_original__")  # PATCH log_prob_pass_keep
+    assert "disable_adapter()" in inspect.getsource(TrainingWorker.infer_batch)  # verl's, unwrapped
+    assert "no_lora_adapter" in inspect.getsource(patches._log_prob_pass_of)
     assert "no_lora_adapter" not in inspect.getsource(_prepass_module())

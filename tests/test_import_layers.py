@@ -19,7 +19,7 @@ LAYERS = [
     ["loss"],
     ["modes"],
     ["guardrails"],
-    ["driver", "engine.logprobs", "engine.control"],
+    ["driver", "engine.logprobs", "engine.control", "engine.reuse"],
     ["engine.prepass"],
     ["engine.step"],
     ["engine.patches", "engine"],

@@ -17,7 +17,8 @@ moments must come back from the checkpoint too), a checkpoint after every step
 Required: steps 1-2 of the killed run and 3-4 of the resumed run log exactly the metrics of the
 uninterrupted run's steps 1-4 (every metric but timings, throughput and memory: selection counts,
 pg_loss, grad_norm, entropy included), and the resumed run's parameters after the load and at
-the end equal the uninterrupted run's at step 2 and step 4.
+the end equal the uninterrupted run's at step 2 and step 4. In every step, the resumed run's first
+included, the first optimizer step reuses verl's own log-prob pass (``prepass_reused`` 0.25).
 
 The controlled run's ratio moves every step (the controller's state, carried in the optimizer's state dict,
 must come back from the checkpoint: a controller started afresh at step 3 would log another
@@ -103,6 +104,9 @@ def test_a_run_killed_during_step_3_and_resumed_equals_an_uninterrupted_run(tiny
     for m in stitched:
         assert all(k in m for k in required), sorted(m)
         assert m[prefix + "selected"] >= 1  # the selection acted in every step: not a vacuous comparison
+        # the first of the step's 4 optimizer steps took verl's log-prob pass's statistics (engine/reuse.py),
+        # in the resumed run's first step too: verl loads the checkpoint before that step's log-prob pass
+        assert m[prefix + "prepass_reused"] == 0.25, (m["step"], m[prefix + "prepass_reused"])
     if ENTROPY_TARGET[loss_mode] is not None:  # the controller moved the ratio every step: its state mattered
         in_use = [m[prefix + "kl_cov_ratio_in_use"] for m in stitched]
         assert all(b < a for a, b in zip(in_use, in_use[1:])), in_use

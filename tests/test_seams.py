@@ -60,7 +60,8 @@ def test_every_patch_of_the_catalogue_is_guarded_by_a_seam():
     """A patch whose target moves must fail at import, by name: each one names a seam that is checked."""
     names = {seam.name for seam in seams.SEAMS}
     assert [patch.name for patch in PATCHES] == [
-        "train_batch_prepass", "validate_config_driver_checks", "prepass_batched_logsumexp"]
+        "train_batch_prepass", "validate_config_driver_checks", "prepass_batched_logsumexp",
+        "log_prob_pass_context", "log_prob_pass_keep", "weight_restore_bumps_version"]
     for patch in PATCHES:
         assert patch.seam in names, patch
 
@@ -213,3 +214,28 @@ def test_importing_the_plugin_over_a_moved_seam_fails_before_patching_anything()
     assert "VerlSeamError" in proc.stderr
     assert "BaseEngine.train_batch(self, data, loss_function): found parameters ['self', 'data']" in proc.stderr
     assert "Known to work: verl 0.8.0, 0.9.1" in proc.stderr
+
+
+@pytest.mark.parametrize("owner, name, moved", [
+    ("verl.workers.engine_workers.TrainingWorker", "infer_batch", lambda self, data, no_lora_adapter=False: None),
+    ("verl.utils.fsdp_utils", "fsdp2_sharded_load_from_cpu", lambda model, state: None),
+    ("verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead", "infer_batch",
+     lambda self, data, loss_function=None: None),
+])
+def test_the_reuse_patches_targets_fail_loudly_when_they_move(monkeypatch, owner, name, moved):
+    """PATCHES log_prob_pass_context / weight_restore_bumps_version / log_prob_pass_keep: a changed signature, or
+    an override below BaseEngine that would bypass the keeping, is a seam error naming it (engine/reuse.py)."""
+    import importlib
+
+    try:
+        target = importlib.import_module(owner)  # a module
+    except ModuleNotFoundError:  # a class: module.Class
+        module_name, _, class_name = owner.rpartition(".")
+        target = getattr(importlib.import_module(module_name), class_name)
+    monkeypatch.setattr(target, name, moved)
+    with pytest.raises(VerlSeamError) as raised:
+        check_seams(force=True)
+    message = str(raised.value)
+    assert name in message and "1 seam(s)" in message, message
+    monkeypatch.undo()
+    check_seams(force=True)

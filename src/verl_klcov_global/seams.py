@@ -8,6 +8,8 @@ patch is applied or any loss is registered.
 
 What is checked (names, signatures, dataclass fields; no verl source text):
 
+* what the reuse of verl's log-prob pass wraps (``engine/reuse.py``): ``TrainingWorker.infer_batch(self, data)``,
+  ``BaseEngine.infer_batch`` inherited by the FSDP engine, verl's sharded weight-restore helpers;
 * the prepass hook's target and the engine calls it makes (``engine/``):
   ``BaseEngine.train_batch(self, data, loss_function)``, ``infer_batch``, ``optimizer_zero_grad``,
   ``get_data_parallel_group``, ``to(device, model, optimizer, grad)``; ``FSDPEngineWithLMHead``
@@ -141,12 +143,44 @@ def _registry() -> None:
         raise _Moved(f"POLICY_LOSS_REGISTRY is a {type(registry).__name__}, not a dict")
 
 
-def _fsdp_engine_inherits_train_batch() -> None:
-    engine = _attr("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead")
-    base = _attr("verl.workers.engine.base", "BaseEngine")
-    owners = [cls.__qualname__ for cls in engine.__mro__ if "train_batch" in vars(cls)]
-    if owners[:1] != [base.__qualname__] or not issubclass(engine, base):
-        raise _Moved(f"train_batch is defined by {owners}: an override would bypass the prepass hook")
+def _fsdp_engine_inherits(method: str, hook: str) -> Callable[[], None]:
+    def check() -> None:
+        engine = _attr("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead")
+        base = _attr("verl.workers.engine.base", "BaseEngine")
+        owners = [cls.__qualname__ for cls in engine.__mro__ if method in vars(cls)]
+        if owners[:1] != [base.__qualname__] or not issubclass(engine, base):
+            raise _Moved(f"{method} is defined by {owners}: an override would bypass the {hook}")
+
+    return check
+
+
+_fsdp_engine_inherits_train_batch = _fsdp_engine_inherits("train_batch", "prepass hook")
+
+
+def _training_worker_infer_batch() -> None:
+    """``TrainingWorker.infer_batch(self, data)``, where verl's engine workers can be imported at all.
+
+    They import web-server packages (fastapi, uvicorn) that verl does not require: where those are
+    missing no actor can run in the process, and PATCH ``log_prob_pass_context`` is skipped.
+    """
+    try:
+        importlib.import_module("verl.workers.engine_workers")
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] != "verl":
+            return  # a third-party dependency of the workers is missing: nothing to patch here
+        raise _Moved(f"module verl.workers.engine_workers cannot be imported ({error})") from None
+    except ImportError as error:
+        raise _Moved(f"module verl.workers.engine_workers cannot be imported ({error})") from None
+    _signature("verl.workers.engine_workers", "TrainingWorker.infer_batch", ["self", "data"])()
+
+
+def _restore_helpers() -> None:
+    """verl's sharded restore helpers (``separate_async``): fsdp2's everywhere, fsdp1's where verl defines it
+    (0.9.1 and later; verl 0.8.0 restores FSDP1 with the fsdp2 helper too)."""
+    _signature("verl.utils.fsdp_utils", "fsdp2_sharded_load_from_cpu",
+               ["model", "cpu_sharded_state", "target_spec"])()
+    if hasattr(importlib.import_module("verl.utils.fsdp_utils"), "fsdp1_sharded_load_from_cpu"):
+        _signature("verl.utils.fsdp_utils", "fsdp1_sharded_load_from_cpu", ["model", "cpu_sharded_state"])()
 
 
 #: The keywords verl's ``ppo_loss`` passes to a registered policy loss; the plugin's losses take these.
@@ -177,6 +211,12 @@ SEAMS: tuple[Seam, ...] = (
          _exists(_BASE, "BaseEngine.optimizer_zero_grad", "BaseEngine.get_data_parallel_group")),
     Seam("verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead inherits BaseEngine.train_batch",
          _fsdp_engine_inherits_train_batch),
+    # engine/reuse.py: verl's log-prob pass kept (PATCHES log_prob_pass_context / _keep), weight restores seen
+    Seam("verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead inherits BaseEngine.infer_batch",
+         _fsdp_engine_inherits("infer_batch", "keeping of verl's log-prob pass")),
+    Seam("verl.workers.engine_workers.TrainingWorker.infer_batch(self, data)", _training_worker_infer_batch),
+    Seam("verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu(model, cpu_sharded_state, target_spec) / "
+         "fsdp1_sharded_load_from_cpu(model, cpu_sharded_state)", _restore_helpers),
     Seam("verl.workers.config.FSDPEngineConfig fields strategy, infer_micro_batch_size_per_gpu, "
          "infer_max_token_len_per_gpu",
          _fields("verl.workers.config", "FSDPEngineConfig",

@@ -13,11 +13,15 @@ driver's worker loader (``driver.py``) both load it; ``tests/test_driver_loading
 loader alone is enough. Two runs:
 
 * ``v1``: the default (v1) trainer on verl's own ``ppo_trainer`` config with
-  ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global`` (plain ``PolicyLossConfig``);
+  ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global`` (plain ``PolicyLossConfig``), strictly
+  on-policy (one minibatch, one epoch): every optimizer step reuses verl's own log-prob pass
+  (``prepass_reused`` 1, ``engine/reuse.py``), on both ranks;
 * ``legacy``: ``trainer.use_v1=False`` on ``--config-name=kl_cov_global`` (no ``--config-path``: the
   package's config, through its Hydra search-path plugin), the ready config that
   docs/LOADING.md documents (its ``_target_`` imports the plugin too, so this run is not the
-  entry-point proof; it is the proof that the documented config trains).
+  entry-point proof; it is the proof that the documented config trains), 2 minibatches x 2 epochs: the
+  first optimizer step of each update reuses the log-prob pass, the other three run the prepass
+  (``prepass_reused`` 0.25 as the trainer logs it).
 """
 
 from __future__ import annotations
@@ -40,10 +44,8 @@ pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: 
 
 WORKERS = 2                          # FSDP ranks (fake GPUs)
 PROMPTS, N = 4, 4                    # prompts per step x responses per prompt = 16 sequences
-MINI_BATCH_PROMPTS, EPOCHS = 2, 2    # 8 sequences per optimizer step, 2 PPO epochs
+MINI_BATCH_PROMPTS, EPOCHS = 2, 2    # 8 sequences per optimizer step, 2 PPO epochs (legacy run, vanilla runs)
 STEPS = 2                            # trainer steps
-OPTIMIZER_STEPS_PER_STEP = EPOCHS * PROMPTS // MINI_BATCH_PROMPTS
-ROWS_PER_RANK = MINI_BATCH_PROMPTS * N // WORKERS
 RATIO = 0.05
 KL_COV_METRICS = ("quota", "selected", "valid_tokens", "nonfinite_tokens", "cov_threshold",
                   "selected_in_micro_batch", "prepass_seconds", "selection_seconds")
@@ -69,9 +71,14 @@ def _logged_steps(log: str) -> dict[int, dict[str, float]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("use_v1, plugin_config", [(True, False), (False, True)], ids=["v1", "legacy"])
+@pytest.mark.parametrize("use_v1, plugin_config, mini_batch_prompts, epochs, reused",
+                         [(True, False, PROMPTS, 1, 1.0), (False, True, MINI_BATCH_PROMPTS, EPOCHS, 0.25)],
+                         ids=["v1", "legacy"])
 def test_main_ppo_grpo_on_cpu_runs_kl_cov_global_prepass_per_minibatch(tmp_path, tiny_model_path, use_v1,
-                                                                       plugin_config):
+                                                                       plugin_config, mini_batch_prompts, epochs,
+                                                                       reused):
+    optimizer_steps_per_step = epochs * PROMPTS // mini_batch_prompts
+    rows_per_rank = mini_batch_prompts * N // WORKERS
     train_file = write_dataset(str(tmp_path / "train.parquet"), n_prompts=2 * PROMPTS)
     record_dir = tmp_path / "steps"
     record_dir.mkdir()
@@ -79,7 +86,7 @@ def test_main_ppo_grpo_on_cpu_runs_kl_cov_global_prepass_per_minibatch(tmp_path,
     argv = main_ppo_argv(
         model_path=tiny_model_path, train_file=train_file, out_dir=str(tmp_path), use_v1=use_v1,
         plugin_config=plugin_config, n_workers=WORKERS, prompts_per_step=PROMPTS, responses_per_prompt=N,
-        mini_batch_prompts=MINI_BATCH_PROMPTS, ppo_epochs=EPOCHS, steps=STEPS, kl_cov_ratio=RATIO,
+        mini_batch_prompts=mini_batch_prompts, ppo_epochs=epochs, steps=STEPS, kl_cov_ratio=RATIO,
     )
     # Only the entry point may load the plugin: no module list or external_lib names it.
     assert env["VERL_USE_EXTERNAL_MODULES"] == CPU_PLUGIN_MODULE
@@ -97,13 +104,15 @@ def test_main_ppo_grpo_on_cpu_runs_kl_cov_global_prepass_per_minibatch(tmp_path,
         for name in KL_COV_METRICS:
             assert f"actor/kl_cov/{name}" in metrics, (step, name, sorted(metrics))
         assert metrics["actor/kl_cov/quota"] >= 1 and metrics["actor/kl_cov/nonfinite_tokens"] == 0
+        # verl's log-prob pass stood in for the prepass on the update's first optimizer step, on every rank
+        assert metrics["actor/kl_cov/prepass_reused"] == reused, (step, metrics["actor/kl_cov/prepass_reused"])
 
     # -- inside the workers: one prepass per optimizer step (minibatch x epoch), on every rank ------
     records = step_recorder.read(str(record_dir))
     assert sorted(records) == list(range(WORKERS)), records
     for rank, rank_records in records.items():
-        assert len(rank_records) == STEPS * OPTIMIZER_STEPS_PER_STEP, (rank, rank_records)
-        assert all(r["rows"] == ROWS_PER_RANK for r in rank_records), rank_records
+        assert len(rank_records) == STEPS * optimizer_steps_per_step, (rank, rank_records)
+        assert all(r["rows"] == rows_per_rank for r in rank_records), rank_records
         assert all(r["mask_tokens"] is not None for r in rank_records), f"rank {rank}: a step without prepass mask"
         # the workers run the plugin this test imported (the checkout's, or an installed wheel's: scripts/test_wheel.sh)
         assert {r["plugin_file"] for r in rank_records} == {verl_klcov_global.__file__}, rank_records
@@ -111,13 +120,14 @@ def test_main_ppo_grpo_on_cpu_runs_kl_cov_global_prepass_per_minibatch(tmp_path,
 
     # the ranks' mask slices add up to the global quota each optimizer step; the trainer logs its mean
     for step in range(STEPS):
-        window = slice(step * OPTIMIZER_STEPS_PER_STEP, (step + 1) * OPTIMIZER_STEPS_PER_STEP)
+        window = slice(step * optimizer_steps_per_step, (step + 1) * optimizer_steps_per_step)
         quotas = [sum(r["mask_tokens"] for r in per_step)
                   for per_step in zip(*(rank_records[window] for rank_records in records.values()))]
         assert all(q >= 1 for q in quotas)
         assert logged[step + 1]["actor/kl_cov/quota"] == pytest.approx(sum(quotas) / len(quotas))
     print(f"\n[{'v1' if use_v1 else 'legacy'}] logged quota per step "
-          f"{[logged[s]['actor/kl_cov/quota'] for s in sorted(logged)]}")
+          f"{[logged[s]['actor/kl_cov/quota'] for s in sorted(logged)]}, prepass_reused "
+          f"{[logged[s]['actor/kl_cov/prepass_reused'] for s in sorted(logged)]}")
 
 
 def test_cpu_support_does_not_load_the_plugin():

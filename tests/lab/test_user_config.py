@@ -260,3 +260,35 @@ def test_the_entropy_controller_is_listed_and_diagnosed_with_the_users_settings(
 
     actor = _actor_config(plan.options, name)  # the config diagnose runs the mode with
     assert MODES[name].read_settings(actor).entropy_control.target == 1.5
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([], (4, 3, 1)),  # 256 prompts / 64 per minibatch, 1 epoch: the update's first step reuses
+    (["data.train_batch_size=64"], (1, 0, 1)),  # on-policy: no prepass at all
+    (["data.train_batch_size=128", "actor_rollout_ref.actor.ppo_epochs=2"], (4, 3, 1)),
+    (["algorithm.rollout_correction.bypass_mode=True"], (4, 4, 0)),  # no actor log-prob pass
+    (["actor_rollout_ref.actor.policy_loss.prepass_layout=train"], (4, 4, 0)),
+    (["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=4"], (4, 3, 1)),
+    (["trainer.use_v1=False", "data.train_batch_size=64"], (1, 0, 1)),
+])
+def test_the_plan_counts_the_prepasses_per_trainer_step_and_those_verls_pass_stands_in_for(monkeypatch, overrides,
+                                                                                        expected):
+    monkeypatch.chdir(REPO)
+    plan = plan_for(None, "clip_cov_global", ["data.train_batch_size=256", "actor_rollout_ref.actor.ppo_mini_batch_size=64"]
+                    + overrides, device="cpu")
+    counts = plan.to_json()["prepasses"]
+    assert (counts["optimizer_steps"], counts["prepasses"], counts["reused"]) == expected, counts["text"]
+    assert f"{expected[1]} run" in counts["text"] and "reuse" in counts["text"]
+
+
+def test_a_kl_cov_config_is_counted_as_kl_cov_global_and_the_on_policy_warning_stays(tmp_path, capfd):
+    """verl's own kl_cov (the user's YAML): counted for the switch to kl_cov_global; on-policy, no prepass runs and
+    the driver's warning that KL-Cov then has no effect is still in the notes."""
+    plan = plan_for(write_user_config(tmp_path), "my_grpo", ["data.train_batch_size=64"], device="cpu")
+    assert (plan.prepasses["optimizer_steps"], plan.prepasses["prepasses"], plan.prepasses["reused"]) == (1, 0, 1)
+    assert any("kl-cov-on-policy" in str(f) for f in plan.findings)
+    assert any("every optimizer update is on-policy" in note for note in plan.notes)
+    from verl_klcov_global.lab.diagnose import format_settings
+
+    lines = format_settings({**plan.to_json(), "config": plan.config})
+    assert any(line.startswith("prepasses: 1 optimizer step per trainer step") for line in lines), lines

@@ -43,7 +43,8 @@ def build_training_worker(
     The configs mirror ``_cpu.build_fsdp_engine`` (fp32, sdpa, ``torch.optim.SGD``, constant LR,
     weight decay 0). ``torch.distributed`` is initialised with plain "gloo" first (verl's own
     ``initialize_global_process_group_ray`` would ask for "cpu:gloo,cpu:gloo", which torch rejects
-    on CPU), which also sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT for ``Worker.__init__``.
+    on CPU), which also sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT for ``Worker.__init__``; a group
+    initialised already (several gloo ranks) is used as it is.
     """
     _cpu.install_cpu_platform()
     if not torch.distributed.is_initialized():  # else: a rank of spawn_gloo's group (DP = its world size)

@@ -3,8 +3,10 @@
 * :mod:`.patches` -- the catalogue of every verl patch (:data:`~.patches.PATCHES`) and their install;
 * :mod:`.step` -- the wrapped ``train_batch``: prepass, mask per token, verl's step, the loss wrapper, metrics;
 * :mod:`.prepass` -- the no-grad forward (micro-batching, optimizer offload, RNG) and the mode's selection;
-* :mod:`.logprobs` -- the prepass's batched log-sum-exp numerics (PATCH ``prepass_batched_logsumexp``).
+* :mod:`.logprobs` -- the prepass's batched log-sum-exp numerics (PATCH ``prepass_batched_logsumexp``);
+* :mod:`.reuse` -- verl's own log-prob pass in place of a prepass where it was made with the same parameters
+  (PATCHES ``log_prob_pass_context``, ``log_prob_pass_keep``, ``weight_restore_bumps_version``).
 
-Import order (top to bottom): patches -> step -> prepass -> logprobs; each may import the
+Import order (top to bottom): patches -> step -> prepass -> logprobs, reuse; each may import the
 package's lower layers (modes, loss, layout, config, seams), never the plugin, the lab or the CLI.
 """

@@ -18,6 +18,22 @@ are checked once, at import, by :mod:`verl_klcov_global.seams` (a moved seam rai
 * ``prepass_batched_logsumexp`` (during the prepass only): swaps
   ``verl.utils.torch_functional.logprobs_from_logits_v2(logits, labels)`` inside
   :func:`.prepass.compute_prepass_log_probs`; see :mod:`.logprobs`.
+* ``log_prob_pass_context`` (every process that imports verl's engine workers): wraps
+  ``verl.workers.engine_workers.TrainingWorker.infer_batch(self, data)`` (~398, what the actor's
+  ``compute_log_prob`` calls) so that a pass of an actor whose loss is a global mode with
+  ``prepass_layout=infer`` and whose LoRA adapter stays on (no ``no_lora_adapter``) opens
+  :func:`.reuse.log_prob_pass`; verl's dispatch attributes (``@register``) are kept. Installed by
+  :func:`install_reuse`; skipped where verl's engine workers cannot be imported (their web-server
+  dependencies missing), where no actor can run either.
+* ``log_prob_pass_keep`` (same processes as ``train_batch_prepass``): wraps
+  ``verl.workers.engine.base.BaseEngine.infer_batch(self, data, loss_function=None)`` (~134, inherited
+  by the FSDP engine) to hand its outputs to :func:`.reuse.after_infer_batch`, which keeps them only
+  inside such a pass (on every rank, Ulysses SP included). Installed by :func:`install_reuse`.
+* ``weight_restore_bumps_version``: wraps ``verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu`` and,
+  where verl has it (0.9.1 and later), ``fsdp1_sharded_load_from_cpu``: the restore of saved weights that
+  ``separate_async`` / fully async training make around the log-prob pass
+  (``experimental/separation/engine_workers.py`` ~140, imported at call time) bumps the weights version
+  of the engines holding the module (:func:`.reuse.weights_restored`). Installed by :func:`install_reuse`.
 
 The CPU platform that ``diagnose`` and the tests use patches verl and torch too; those patches
 are the lab's, never applied by the plugin, and listed in :mod:`verl_klcov_global.lab.cpu`.
@@ -25,6 +41,7 @@ are the lab's, never applied by the plugin, and listed in :mod:`verl_klcov_globa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from dataclasses import dataclass
@@ -34,10 +51,12 @@ from tensordict import TensorDict
 from verl.workers.engine.base import BaseEngine
 
 from .. import driver
-from .step import train_batch_with_prepass
+from ..modes import global_mode_of
+from . import reuse
+from .step import actor_config_of, train_batch_with_prepass
 
-__all__ = ["PATCHES", "Patch", "install", "install_driver_checks", "install_hook", "is_hook_installed",
-           "uninstall_hook"]
+__all__ = ["PATCHES", "Patch", "install", "install_driver_checks", "install_hook", "install_reuse",
+           "is_hook_installed", "is_reuse_installed", "uninstall_hook", "uninstall_reuse"]
 
 #: Attribute of a wrapper holding verl's original function (also how "already installed" is seen).
 ORIGINAL_ATTR = "__verl_klcov_global_original__"
@@ -65,13 +84,28 @@ PATCHES: tuple[Patch, ...] = (
     Patch("prepass_batched_logsumexp", "verl.utils.torch_functional.logprobs_from_logits_v2",
           "verl.utils.torch_functional.logprobs_from_logits_v2(logits, labels)",
           "inside the no-grad prepass forward only, restored afterwards", "engine.logprobs.batched_logsumexp"),
+    Patch("log_prob_pass_context", "verl.workers.engine_workers.TrainingWorker.infer_batch",
+          "verl.workers.engine_workers.TrainingWorker.infer_batch(self, data)",
+          "every process that imports the plugin and can import verl's engine workers (permanent)",
+          "engine.patches.install_reuse -> engine.reuse.log_prob_pass"),
+    Patch("log_prob_pass_keep", "verl.workers.engine.base.BaseEngine.infer_batch",
+          "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead inherits BaseEngine.infer_batch",
+          "every process that imports the plugin (permanent); keeps only inside log_prob_pass_context",
+          "engine.reuse.after_infer_batch"),
+    Patch("weight_restore_bumps_version",
+          "verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu (and fsdp1_sharded_load_from_cpu where defined)",
+          "verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu(model, cpu_sharded_state, target_spec) / "
+          "fsdp1_sharded_load_from_cpu(model, cpu_sharded_state)",
+          "every process that imports the plugin (permanent)", "engine.reuse.weights_restored"),
 )
 
 
 def install() -> None:
-    """Install the permanent patches (idempotent): ``train_batch_prepass`` and ``validate_config_driver_checks``."""
+    """Install the permanent patches (idempotent): ``train_batch_prepass``, ``validate_config_driver_checks`` and
+    the three of verl's-log-prob-pass reuse (:func:`install_reuse`)."""
     install_hook()
     install_driver_checks()
+    install_reuse()
 
 
 def install_hook() -> None:
@@ -124,3 +158,110 @@ def install_driver_checks() -> None:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "validate_config", None) is current:
             module.validate_config = validate_config
+
+
+# ---------------------------------------------------------------------------------------------
+# Reuse of verl's log-prob pass (engine/reuse.py)
+
+#: verl's sharded restore helpers PATCH ``weight_restore_bumps_version`` wraps (module verl.utils.fsdp_utils)
+RESTORE_HELPERS = ("fsdp1_sharded_load_from_cpu", "fsdp2_sharded_load_from_cpu")
+
+
+def _training_worker_class():
+    """verl's ``TrainingWorker``, or None where its module cannot be imported (fastapi/uvicorn missing)."""
+    try:
+        from verl.workers.engine_workers import TrainingWorker
+    except ImportError:
+        return None
+    return TrainingWorker
+
+
+def _log_prob_pass_of(worker, data):
+    """:func:`.reuse.log_prob_pass` for this ``TrainingWorker.infer_batch`` call, or a null context."""
+    config = actor_config_of(getattr(worker, "loss_fn", None))  # None for a reference or value model
+    mode = global_mode_of(config)
+    engine = getattr(worker, "engine", None)
+    if mode is None or engine is None or not isinstance(data, TensorDict):
+        return contextlib.nullcontext()
+    from verl.utils import tensordict_utils as tu
+
+    if tu.get_non_tensor_data(data=data, key="no_lora_adapter", default=False):
+        return contextlib.nullcontext()  # the LoRA reference pass: the adapter is off, not the actor's policy
+    try:
+        settings = mode.read_settings(config)
+    except ValueError:  # a bad knob: the update raises it by name; nothing to keep
+        return contextlib.nullcontext()
+    if settings.prepass_layout != "infer":
+        return contextlib.nullcontext()
+    return reuse.log_prob_pass(engine, keep_entropy=mode.reads_entropy(settings))
+
+
+def install_reuse() -> None:
+    """Install PATCHES ``log_prob_pass_context``, ``log_prob_pass_keep`` and ``weight_restore_bumps_version``
+    (idempotent)."""
+    import verl.utils.fsdp_utils as fsdp_utils
+
+    worker_class = _training_worker_class()
+    if worker_class is not None and getattr(worker_class.infer_batch, ORIGINAL_ATTR, None) is None:
+        current_worker_infer = worker_class.infer_batch
+
+        @functools.wraps(current_worker_infer)  # keeps verl's @register dispatch attributes
+        def worker_infer_batch(self, data, *args, **kwargs):
+            try:
+                context = _log_prob_pass_of(self, data)
+            except Exception:  # never verl's pass's failure: nothing is kept, the update runs the prepass
+                context = contextlib.nullcontext()
+            with context:
+                return current_worker_infer(self, data, *args, **kwargs)
+
+        setattr(worker_infer_batch, ORIGINAL_ATTR, current_worker_infer)
+        worker_class.infer_batch = worker_infer_batch
+
+    if getattr(BaseEngine.infer_batch, ORIGINAL_ATTR, None) is None:
+        current_infer = BaseEngine.infer_batch
+
+        @functools.wraps(current_infer)
+        def infer_batch(self, data: TensorDict, loss_function: Callable = None, *args, **kwargs) -> Any:
+            outputs = current_infer(self, data, loss_function, *args, **kwargs)
+            reuse.after_infer_batch(self, data, outputs)
+            return outputs
+
+        setattr(infer_batch, ORIGINAL_ATTR, current_infer)
+        BaseEngine.infer_batch = infer_batch
+
+    for name in RESTORE_HELPERS:
+        current_restore = getattr(fsdp_utils, name, None)
+        if current_restore is None or getattr(current_restore, ORIGINAL_ATTR, None) is not None:
+            continue
+        setattr(fsdp_utils, name, _restore_wrapper(current_restore))
+
+
+def _restore_wrapper(current: Callable) -> Callable:
+    @functools.wraps(current)
+    def restore(model, *args, **kwargs):
+        try:
+            return current(model, *args, **kwargs)
+        finally:  # even a restore that failed halfway has written some parameters
+            reuse.weights_restored(model)
+
+    setattr(restore, ORIGINAL_ATTR, current)
+    return restore
+
+
+def is_reuse_installed() -> bool:
+    """True when PATCH ``log_prob_pass_keep`` is active in this process."""
+    return getattr(BaseEngine.infer_batch, ORIGINAL_ATTR, None) is not None
+
+
+def uninstall_reuse() -> None:
+    """Restore verl's own functions of the three reuse patches (for tests)."""
+    import verl.utils.fsdp_utils as fsdp_utils
+
+    worker_class = _training_worker_class()
+    targets = [(BaseEngine, "infer_batch")] + [(fsdp_utils, name) for name in RESTORE_HELPERS]
+    if worker_class is not None:
+        targets.append((worker_class, "infer_batch"))
+    for owner, name in targets:
+        original = getattr(getattr(owner, name, None), ORIGINAL_ATTR, None)
+        if original is not None:
+            setattr(owner, name, original)

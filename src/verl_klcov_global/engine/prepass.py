@@ -69,6 +69,7 @@ from verl.workers.utils.padding import no_padding_2_padding
 
 from ..layout import fit_width, padded
 from ..modes import ModeSpec, Selection
+from . import reuse
 from .control import Steering, settle_after_selection, steer
 from .logprobs import batched_logsumexp
 
@@ -92,7 +93,9 @@ class PrepassResult:
     in its original sample order; ``mode`` is the loss mode that made it.
     ``optimizer_states_offloaded``: the optimizer states were moved off the device for the
     prepass (see :func:`optimizer_states_off_device`). ``steering``: the entropy controller's step
-    (its decision and the settings the selection used), None with the controller off.
+    (its decision and the settings the selection used), None with the controller off. ``reused``: no
+    prepass ran, the statistics are verl's own log-prob pass's (:mod:`.reuse`); then ``prepass_seconds``
+    is 0 and ``selection_seconds`` includes the look-up.
     """
 
     selection: Selection
@@ -101,6 +104,7 @@ class PrepassResult:
     mode: ModeSpec
     optimizer_states_offloaded: bool = False
     steering: Optional[Steering] = None
+    reused: bool = False
 
     def figures(self) -> dict[str, float]:
         """The step's figures for logging (names without the mode's prefix): the selection's, the controller's."""
@@ -112,16 +116,25 @@ class PrepassResult:
 
 def run_prepass_and_select(engine: BaseEngine, data: TensorDict, settings: Any, mode: ModeSpec) -> PrepassResult:
     """No-grad log-probs (and entropy when ``mode.reads_entropy(settings)``) of the whole minibatch, then the
-    entropy controller's step if it is on, then ``mode``'s one selection over the minibatch and the DP group."""
+    entropy controller's step if it is on, then ``mode``'s one selection over the minibatch and the DP group.
+    No forward where verl's own log-prob pass computed them with these very parameters (:func:`.reuse.take`,
+    collective)."""
+    needs_entropy = mode.reads_entropy(settings)  # the mode's row and its settings, not its name
     started = time.perf_counter()
-    entropy = None
-    with torch.profiler.record_function(PREPASS_RECORD_NAME):
-        with optimizer_states_off_device(engine, settings.prepass_layout) as offloaded:
-            if mode.reads_entropy(settings):  # the mode's row and its settings, not its name
-                log_probs, entropy = compute_prepass_log_probs_and_entropy(engine, data, settings.prepass_layout)
-            else:
-                log_probs = compute_prepass_log_probs(engine, data, settings.prepass_layout)
-    selected_at = time.perf_counter()
+    # [reuse] verl's own log-prob pass, where it was made with these very parameters (engine/reuse.py)
+    reused = reuse.take(engine, data, layout=settings.prepass_layout, needs_entropy=needs_entropy)
+    if reused is not None:
+        (log_probs, entropy), offloaded, prepass_seconds = reused, False, 0.0
+    else:  # [/reuse]
+        entropy = None
+        with torch.profiler.record_function(PREPASS_RECORD_NAME):
+            with optimizer_states_off_device(engine, settings.prepass_layout) as offloaded:
+                if needs_entropy:
+                    log_probs, entropy = compute_prepass_log_probs_and_entropy(engine, data, settings.prepass_layout)
+                else:
+                    log_probs = compute_prepass_log_probs(engine, data, settings.prepass_layout)
+        prepass_seconds = time.perf_counter() - started
+    selected_at = started + prepass_seconds
     group = engine.get_data_parallel_group() if dist.is_available() and dist.is_initialized() else None
     steering = None
     with torch.profiler.record_function(SELECTION_RECORD_NAME):
@@ -134,8 +147,8 @@ def run_prepass_and_select(engine: BaseEngine, data: TensorDict, settings: Any, 
             settle_after_selection(engine, mode, steering, selection)
     finished = time.perf_counter()
     return PrepassResult(
-        selection=selection, prepass_seconds=selected_at - started, selection_seconds=finished - selected_at,
-        mode=mode, optimizer_states_offloaded=offloaded, steering=steering,
+        selection=selection, prepass_seconds=prepass_seconds, selection_seconds=finished - selected_at,
+        mode=mode, optimizer_states_offloaded=offloaded, steering=steering, reused=reused is not None,
     )
 
 

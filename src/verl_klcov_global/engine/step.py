@@ -114,6 +114,8 @@ def train_batch_with_prepass(original: Callable, engine: BaseEngine, data: Tenso
             f"{prefix}prepass_seconds": Metric(AggregationType.MEAN, prepass.prepass_seconds),
             f"{prefix}selection_seconds": Metric(AggregationType.MEAN, prepass.selection_seconds),
             f"{prefix}prepass_share": Metric(AggregationType.MEAN, plugin_seconds / max(step_seconds, 1e-12)),
+            # [reuse] 1 where verl's log-prob pass stood in for the prepass; the same on every rank (MAX is exact)
+            f"{prefix}prepass_reused": Metric(AggregationType.MAX, float(prepass.reused)),
         })
     return outputs
 

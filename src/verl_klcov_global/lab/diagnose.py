@@ -509,6 +509,8 @@ def format_settings(report: dict) -> list[str]:
     lines += ["  ".join(f"{cell:<{width}}" for cell, width in zip(row, widths)) + "  " + row[4] for row in rows]
     lines = [line.rstrip() for line in lines]
     lines += ["", f"shape: {report['scaling']['text']}"]
+    if report.get("prepasses"):
+        lines += [f"prepasses: {report['prepasses']['text']}"]
     lines += [f"note: {note}" for note in report["notes"]]
     return lines + [""]
 

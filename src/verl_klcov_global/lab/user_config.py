@@ -82,18 +82,85 @@ class ConfigPlan:
     config: dict = field(default_factory=dict)
     #: the driver's whole-config findings (``guardrails.py``) for the config, as dicts; also in ``notes``
     findings: list[dict] = field(default_factory=list)
+    #: per trainer step: optimizer steps, prepasses run, prepasses verl's log-prob pass stands in for
+    #: (:func:`prepass_counts`)
+    prepasses: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"config": self.config, "settings": [asdict(s) for s in self.settings], "scaling": self.scaling,
-                "notes": list(self.notes), "findings": list(self.findings)}
+                "notes": list(self.notes), "findings": list(self.findings), "prepasses": dict(self.prepasses)}
+
+
+def prepass_counts(config) -> dict:
+    """Per trainer step of ``config``: optimizer steps, prepasses run, and prepasses verl's own log-prob pass
+    stands in for (``engine/reuse.py``), with the reason in ``text``; ``{}`` unless a global mode is selected
+    (verl's ``kl_cov`` / ``clip_cov``: counted for the global mode a switch would give, as the findings are).
+
+    Every optimizer step makes one selection. verl runs one actor log-prob pass per local update
+    (:func:`verl_klcov_global.guardrails.updates_per_old_log_prob_pass` counts the optimizer steps each pass
+    serves): the legacy, ``sync`` and ``colocate_async`` trainers with the current weights, so the first optimizer
+    step of each update reuses it; ``separate_async`` with the weights of the cycle's start, so only its first
+    local step's does. None with ``bypass_mode`` (no actor pass) or ``prepass_layout=train``. Counted from the
+    config alone; in the run the worker decides from evidence (a batch with multi-modal inputs, for one, always
+    runs the prepass) and logs ``prepass_reused``.
+    """
+    from omegaconf import OmegaConf
+
+    from .. import guardrails
+    from ..modes import global_mode_of
+
+    config = _as_global_mode(config)
+    actor = OmegaConf.select(config, ACTOR, default=None)
+    mode = global_mode_of(actor) if actor is not None else None
+    if mode is None:
+        return {}
+    kind = guardrails.trainer_kind(config)
+    per_pass = guardrails.updates_per_old_log_prob_pass(config)
+    if per_pass is None:
+        return {"text": "not counted: data.train_batch_size, ppo_mini_batch_size or ppo_epochs is not set"}
+    sync_steps = 1
+    if kind != "legacy":
+        sync_steps = max(1, int(OmegaConf.select(config, f"trainer.v1.{kind}.parameter_sync_step", default=1) or 1))
+    if kind == "separate_async":
+        steps, passes_with_current_weights = per_pass, 1
+    else:
+        steps, passes_with_current_weights = sync_steps * per_pass, sync_steps
+    layout = OmegaConf.select(config, f"{POLICY_LOSS}.prepass_layout", default="infer") or "infer"
+    bypass = bool(OmegaConf.select(config, "algorithm.rollout_correction.bypass_mode", default=False))
+    if bypass:
+        reused, why = 0, "bypass_mode=True: the old log-probs are the rollout's, verl runs no actor log-prob pass"
+    elif layout != "infer":
+        reused, why = 0, f"prepass_layout={layout}: the prepass uses the training micro-batches, verl's pass does not"
+    else:
+        reused = passes_with_current_weights
+        why = ("the first optimizer step of each update is made with the weights of verl's log-prob pass"
+               if kind != "separate_async" else
+               "only the first local step of a parameter_sync_step cycle runs verl's log-prob pass with the "
+               "weights it updates")
+    prepasses = steps - reused
+
+    def count(n: int, one: str, many: str) -> str:
+        return f"{n} {one if n == 1 else many}"
+
+    text = (f"{count(steps, 'optimizer step', 'optimizer steps')} per trainer step ({kind} trainer), one selection "
+            f"each: {count(prepasses, 'runs', 'run')} a prepass, {count(reused, 'reuses', 'reuse')} verl's own "
+            f"log-prob pass ({why})")
+    return {"optimizer_steps": steps, "prepasses": prepasses, "reused": reused, "trainer": kind,
+            "prepass_layout": layout, "bypass_mode": bypass, "text": text}
 
 
 def config_findings(config) -> list:
     """The driver's findings (:func:`verl_klcov_global.guardrails.findings`) for ``config``; for verl's own
     per-micro-batch mode (a mode's ``upstream``: ``kl_cov`` / ``clip_cov``) those its global mode would get (what a switch to the plugin would meet)."""
+    from .. import guardrails
+
+    return guardrails.findings(_as_global_mode(config))
+
+
+def _as_global_mode(config):
+    """``config``, or a copy of it with verl's per-micro-batch mode (a mode's ``upstream``) replaced by its global mode."""
     from omegaconf import OmegaConf
 
-    from .. import guardrails
     from ..modes import MODES
 
     mode = OmegaConf.select(config, f"{POLICY_LOSS}.loss_mode", default=None)
@@ -101,7 +168,7 @@ def config_findings(config) -> list:
     if mode in global_of_upstream:
         config = copy.deepcopy(config)
         OmegaConf.update(config, f"{POLICY_LOSS}.loss_mode", global_of_upstream[mode], merge=False)
-    return guardrails.findings(config)
+    return config
 
 
 # ---------------------------------------------------------------------------
@@ -577,7 +644,7 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
                "micro_batches": micro_batches, "data_parallel_size": dp, "text": scaling_text}
     return ConfigPlan(options, settings, scaling, notes,
                       {"name": config_name, "path": where, "overrides": list(overrides)},
-                      [finding.to_json() for finding in found])
+                      [finding.to_json() for finding in found], prepass_counts(config))
 
 
 def plan_for(config_path: Optional[str], config_name: str, overrides: Sequence[str], **kwargs) -> ConfigPlan:

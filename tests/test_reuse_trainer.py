@@ -1,0 +1,76 @@
+"""Reuse of verl's log-prob pass on verl 0.9.1's real trainer loop: on-policy runs train bit for bit as with the prepass.
+
+Runs: ``RayPPOTrainer.fit`` (legacy trainer) in-process with verl's real ``ActorRolloutRefWorker`` and FSDP2
+engine on CPU, fp32 (:mod:`experiments.local_trainer`), GRPO, 3 steps of 4 prompts x 4 responses, **one
+minibatch and one epoch** (the strictly on-policy setup), for each global mode: once as the plugin runs
+(reuse on by default) and once with reuse switched off (``engine.reuse.disabled()``: the prepass every step).
+
+Required: with reuse every step logs ``prepass_reused`` 1 and ``prepass_seconds`` 0, without it 0 and > 0;
+the parameters at every weight version and every other logged figure that does not measure time are equal
+bit for bit (the selections, pg_loss, grad_norm, entropy...). The v1 trainer's on-policy run is
+``tests/integration/test_trainer_e2e.py`` (``main_ppo``, Ray); bypass mode (no actor pass, so no reuse) is
+``tests/test_guardrails_trainer.py``; the first step of a resumed run is ``tests/test_restart.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verl_klcov_global.engine import reuse
+from verl_klcov_global.lab import cpu as _cpu
+from verl_klcov_global.modes import MODES
+from experiments import local_trainer
+
+pytestmark = pytest.mark.slow  # verl's real trainer loop on CPU
+
+STEPS = 3
+ON_POLICY = dict(prompts_per_step=4, mini_batch_prompts=4, ppo_epochs=1)
+#: figures that measure the prepass itself or time, not the training computation
+TIMING = ("prepass_reused", "prepass_seconds", "prepass_share", "selection_seconds")
+
+
+def _deterministic(key: str) -> bool:
+    return not (key.startswith(("timing_s/", "timing_per_token_ms/", "perf/")) or key.endswith(TIMING)
+                or "memory" in key)
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model_path, tmp_path_factory):
+    _cpu.install_cpu_platform()
+    _cpu.init_process_group_cpu(0, 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    work_dir = str(tmp_path_factory.mktemp("reuse"))
+
+    def _run(mode: str):
+        config = local_trainer.RunConfig(loss_mode=mode, steps=STEPS, **ON_POLICY)
+        return local_trainer.run_trainer(config, model_path=tiny_model_path, work_dir=work_dir)
+
+    yield _run
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_an_on_policy_run_reuses_every_step_and_trains_as_the_prepass_does(run, mode):
+    prefix = MODES[mode].metric_prefix
+    reused = run(mode)
+    with reuse.disabled():
+        prepass = run(mode)
+    assert [m[prefix + "prepass_reused"] for m in reused.metrics] == [1.0] * STEPS
+    assert [m[prefix + "prepass_seconds"] for m in reused.metrics] == [0.0] * STEPS
+    assert [m[prefix + "prepass_reused"] for m in prepass.metrics] == [0.0] * STEPS
+    assert all(m[prefix + "prepass_seconds"] > 0 for m in prepass.metrics)
+    assert len(reused.params) == STEPS + 1
+    for version, (a, b) in enumerate(zip(reused.params, prepass.params)):
+        assert torch.equal(a, b), f"weight version {version}"
+    assert not torch.equal(reused.params[0], reused.params[-1])  # it trained
+    compared = 0
+    for a, b in zip(reused.metrics, prepass.metrics):
+        keys = sorted(k for k in set(a) | set(b) if _deterministic(k))
+        assert [k for k in keys if a.get(k) != b.get(k)] == [], a["step"]
+        compared += len(keys)
+    selected = prefix + ("clipped" if mode == "clip_cov_global" else "selected")
+    assert all(m[selected] >= 1 for m in reused.metrics)  # the selection acted: not vacuous
+    print(f"\n{mode}: {STEPS} on-policy steps reused verl's log-prob pass; {compared} figures and "
+          f"{len(reused.params)} weight versions equal to the prepass run's, bit for bit")
