@@ -7,7 +7,8 @@ against the prepass's, computed on the same rows at the same parameters with reu
 (:class:`Steps`). Both ways:
 
 * reuse, with the prepass's statistics and masks bit for bit: on-policy (1 minibatch, 1 epoch) for the
-  three modes, v1 and legacy layouts, shuffled rows, static and dynamic batching; packed sequences in the
+  three modes, v1 and legacy layouts, shuffled rows, static and dynamic batching; a KL-Cov step with the
+  entropy controller on (the pass's entropy kept, the controller's decision the prepass's); packed sequences in the
   pass's row order (shuffled: the pass's own fp32 numerics, last bits apart from a prepass's); the first
   optimizer step of a 2 x 2 update; the LoRA actor whose reference pass (adapter off) runs between its
   log-prob pass and its update;
@@ -200,6 +201,45 @@ def test_an_on_policy_update_reuses_verls_pass_and_selects_what_the_prepass_sele
         batch["response_mask"].values().sum())
     per_token = 8 if mode == "high_entropy_global" else 4  # fp32 log-prob (+ entropy) per response token
     assert kept == per_token * tokens + 8 * (ROWS + 1) + 16 * ROWS
+
+
+def test_a_controlled_step_reuses_the_pass_entropy_and_decides_as_its_prepass_would(worker, monkeypatch):
+    """kl_cov_global's prepass reads no entropy, but with the entropy controller on its step does: the pass's
+    entropy is kept (8 bytes per token) and the controller's H, ratio and the mask are the prepass's."""
+    from verl.workers.utils.losses import ppo_loss
+
+    from verl_klcov_global.engine import control
+
+    policy_loss = KLCovGlobalPolicyLossConfig(kl_cov_ratio=0.02, ppo_kl_coef=1.0, entropy_target=5.0)
+    worker.set_loss_fn(functools.partial(ppo_loss, config=_tiny.make_actor_config(
+        policy_loss=policy_loss, ppo_mini_batch_size=ROWS, ppo_epochs=1)))
+    batch = rows(11)
+    log_prob_pass(worker, batch)
+    tokens = int(batch["response_mask"].values().sum())
+    assert reuse.kept_nbytes(worker.engine) == 8 * tokens + 8 * (ROWS + 1) + 16 * ROWS  # entropy kept too
+    outcomes = []
+    real_run = engine_step.run_prepass_and_select
+
+    def run(engine, data, settings, mode):
+        group = engine.optimizer.param_groups[0]
+        before = dict(group.get(control.STATE_KEY) or {})
+        result = real_run(engine, data, settings, mode)  # reuses the pass
+        after = group.pop(control.STATE_KEY)
+        if before:
+            group[control.STATE_KEY] = before
+        with reuse.disabled():  # the same step from a prepass, from the same controller state
+            reference = real_run(engine, data, settings, mode)
+        group[control.STATE_KEY] = after
+        outcomes.append((result, reference))
+        return result
+
+    monkeypatch.setattr(engine_step, "run_prepass_and_select", run)
+    update(worker, batch)
+    (result, reference), = outcomes
+    assert result.reused and not reference.reused
+    assert result.steering.decision == reference.steering.decision  # H, error, integral, ratio: bit for bit
+    assert result.steering.decision.entropy > 5.0 and result.steering.decision.ratio_in_use < 0.02
+    assert torch.equal(result.selection.mask, reference.selection.mask) and result.selection.mask.any()
 
 
 def _worker_with(tiny_model_path, **engine):
