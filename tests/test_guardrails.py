@@ -172,6 +172,52 @@ def test_warnings_can_be_filtered_by_their_class():
     assert not [w for w in caught if "verl-klcov-global" in str(w.message)]
 
 
+# -- prepass_layout=old (pi_old's statistics) -----------------------------------------------------------
+
+OLD = [f"{PL}prepass_layout=old"]
+
+
+@pytest.mark.parametrize("mode", ["kl_cov_global", "clip_cov_global", "high_entropy_global"])
+def test_old_policy_layout_with_bypass_mode_stops_the_driver(mode, valid):
+    """bypass_mode runs no actor log-prob pass: the old log-probs are the rollout engine's, not pi_old's."""
+    config = _compose(mode, "configs_yaml", valid + OLD + [f"{RC}bypass_mode=True"])
+    with pytest.raises(driver.TrainerConfigError) as error:
+        trainer.validate_trainer_config(config)
+    text = str(error.value)
+    assert text.startswith("verl-klcov-global: actor_rollout_ref.actor.policy_loss.prepass_layout: "), text
+    assert "bypass_mode=True runs no actor log-prob pass" in text
+    assert "Set actor_rollout_ref.actor.policy_loss.prepass_layout=infer" in text and "bypass_mode=False" in text
+
+
+V1 = ["trainer.use_v1=True"]
+
+
+@pytest.mark.parametrize("mode, extra, refused", [
+    ("high_entropy_global", V1 + ["trainer.v1.trainer_mode=colocate_async"], True),   # the selection reads entropy
+    ("high_entropy_global", V1 + ["trainer.v1.trainer_mode=separate_async"], True),
+    ("kl_cov_global", V1 + ["trainer.v1.trainer_mode=colocate_async", f"{PL}entropy_target=2.0"], True),  # controller
+    ("clip_cov_global", V1 + ["trainer.v1.trainer_mode=separate_async", f"{PL}entropy_target=2.0"], True),
+    ("kl_cov_global", V1 + ["trainer.v1.trainer_mode=colocate_async"], False),  # reads old_log_probs only
+    ("high_entropy_global", V1 + ["trainer.v1.trainer_mode=sync"], False),      # the pass is kept there
+    ("high_entropy_global", ["trainer.use_v1=False"], False),
+    ("kl_cov_global", ["trainer.use_v1=False", f"{PL}entropy_target=2.0"], False),
+])
+def test_old_policy_layout_that_reads_entropy_is_refused_where_the_pass_is_not_kept(mode, extra, refused):
+    config = _compose(mode, "configs_yaml", VALID + OLD + extra)
+    codes = _codes(config)
+    assert ("old-policy-entropy-not-kept" in codes) is refused, codes
+    if refused:
+        with pytest.raises(driver.TrainerConfigError, match=r"reads pi_old's entropy .* set "
+                                                           r"actor_rollout_ref.actor.policy_loss.prepass_layout=infer"
+                           .replace(" set ", ".*Set ")):
+            driver.check_trainer_config(config)
+
+
+def test_old_policy_layout_itself_has_no_finding(valid):
+    for mode in ("kl_cov_global", "clip_cov_global", "high_entropy_global"):
+        assert _validate(_compose(mode, "configs_yaml", valid + OLD)) == []
+
+
 # -- the real main_ppo -----------------------------------------------------------------------------------
 
 
@@ -212,6 +258,18 @@ def test_main_ppo_bypass_mode_error_before_ray_starts(tiny_model_path):
     assert _before_ray(proc.stdout), proc.stdout[-3000:]
     line = next(line for line in proc.stdout.splitlines() if "TrainerConfigError" in line)
     print(f"time to the error: {seconds:.1f} s\n{line}")
+
+
+@pytest.mark.slow
+@pytest.mark.needs_driver_validate_config
+def test_main_ppo_refuses_the_old_policy_layout_in_bypass_mode_before_ray_starts(tiny_model_path):
+    proc, seconds, _ = _main_ppo(tiny_model_path, [f"{PL}loss_mode=high_entropy_global", f"+{PL}prepass_layout=old",
+                                                   f"{RC}bypass_mode=True"], "TrainerConfigError")
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert "TrainerConfigError: verl-klcov-global: actor_rollout_ref.actor.policy_loss.prepass_layout: " \
+           "prepass_layout=old selects from pi_old" in proc.stdout, proc.stdout[-3000:]
+    assert _before_ray(proc.stdout), proc.stdout[-3000:]
+    print(f"time to the error: {seconds:.1f} s")
 
 
 @pytest.mark.slow

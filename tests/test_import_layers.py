@@ -19,7 +19,7 @@ LAYERS = [
     ["loss"],
     ["modes"],
     ["guardrails"],
-    ["driver", "engine.logprobs", "engine.control", "engine.reuse"],
+    ["driver", "engine.logprobs", "engine.control", "engine.reuse", "engine.old_policy"],
     ["engine.prepass"],
     ["engine.step"],
     ["engine.patches", "engine"],

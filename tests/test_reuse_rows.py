@@ -102,4 +102,4 @@ def test_media_and_unknown_layouts_are_not_kept():
 
 
 def test_the_decision_of_a_single_process_is_its_own():
-    assert reuse._agreed(True) is True and reuse._agreed(False) is False
+    assert reuse.agreed(True) is True and reuse.agreed(False) is False

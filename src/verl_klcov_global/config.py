@@ -32,7 +32,10 @@ Everything a user can set lives in ``actor_rollout_ref.actor.policy_loss``:
   or ``"train"`` (the training micro-batch settings, as verl PR #7830 does).
   With dynamic batching the inference layout still depends on each rank's shard, so
   in bf16 (batch-shape-dependent log-probs) a different DP size can still move a
-  near-tie; the training micro-batch size cannot.
+  near-tie; the training micro-batch size cannot. ``"old"`` (opt-in) runs no prepass at all:
+  every optimizer step selects from the statistics of pi_old, the actor's weights at verl's
+  log-prob pass (its ``old_log_probs`` and, where the mode or the controller reads it, that
+  pass's entropy), not of the policy at the optimizer step (:mod:`.engine.old_policy`).
 
 Numbers are read strictly: booleans and strings are rejected, never coerced.
 """
@@ -57,7 +60,10 @@ from .selection.knobs import finite_number, setting
 
 #: Per-token field of the minibatch TensorDict that carries the selection mask (every global mode).
 MASK_FIELD = "global_selection_mask"
-PREPASS_LAYOUTS = ("infer", "train")
+PREPASS_LAYOUTS = ("infer", "train", "old")
+#: The ``prepass_layout`` value that runs no prepass: every optimizer step selects from pi_old's statistics
+#: (verl's ``old_log_probs``; the entropy of verl's log-prob pass), :mod:`.engine.old_policy`.
+OLD_POLICY_LAYOUT = "old"
 #: Actor strategies whose engine (verl's ``FSDPEngineWithLMHead``) the prepass hook covers.
 SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
 DEFAULT_CLIP_COV_SEED = 0
@@ -161,7 +167,8 @@ def validate_prepass_layout(layout: Any) -> str:
     if layout not in PREPASS_LAYOUTS:
         raise ValueError(
             f"prepass_layout must be one of {PREPASS_LAYOUTS}, got {layout!r}; "
-            "set actor_rollout_ref.actor.policy_loss.prepass_layout=infer (default) or =train"
+            "set actor_rollout_ref.actor.policy_loss.prepass_layout=infer (default), =train or =old (no prepass: "
+            "select from the old policy's statistics, docs/PREPASS.md)"
         )
     return layout
 

@@ -35,6 +35,12 @@ trainer config combines them with the rest of verl's config (verl 0.9.1 read for
   ``checkpoint.save_contents`` or ``load_contents``: its state travels with the optimizer, so a resumed run
   starts it again from the configured ratio.
 
+* ``old-policy-without-log-prob-pass`` (error): ``prepass_layout=old`` with ``bypass_mode=True``: there is no
+  actor log-prob pass, so no pi_old statistics (the old log-probs are the rollout engine's).
+* ``old-policy-entropy-not-kept`` (error): ``prepass_layout=old`` where the mode or the controller reads
+  entropy (``ModeSpec.reads_entropy``) on a trainer whose log-prob pass the plugin does not keep
+  (:data:`OLD_POLICY_ENTROPY_TRAINERS`: the legacy and v1 sync trainers are).
+
 Which mode gets which finding is read from the table of modes (:mod:`.modes`), never from a mode's name.
 
 :func:`findings` is pure: raw (unresolved-or-resolved) ``DictConfig`` in, :class:`Finding` list
@@ -52,6 +58,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from .config import OLD_POLICY_LAYOUT
 from .modes import ModeSpec, global_mode_of
 from .selection.knobs import finite_number
 
@@ -305,6 +312,39 @@ def _controller_findings(config: Any, spec: ModeSpec) -> list[Finding]:
     return found
 
 
+#: Trainers whose actor log-prob pass the plugin keeps for ``prepass_layout=old`` (tested: the legacy trainer's
+#: ``RayPPOTrainer`` and the v1 sync trainer, both through verl's engine ``TrainingWorker``).
+OLD_POLICY_ENTROPY_TRAINERS = ("legacy", "sync")
+
+
+def _old_policy_findings(config: Any, spec: ModeSpec) -> list[Finding]:
+    try:
+        settings = spec.read_settings(OmegaConf.select(config, ACTOR))
+    except ValueError:
+        return []  # a bad knob: the knob check (driver.check_trainer_config) names it
+    if settings.prepass_layout != OLD_POLICY_LAYOUT:
+        return []
+    mode, key = spec.name, f"{POLICY_LOSS}.prepass_layout"
+    fix_layout = f"Set {key}=infer (the current policy's statistics, exact)"
+    if _bypass(config):
+        return [Finding(
+            ERROR, "old-policy-without-log-prob-pass", key,
+            f"prepass_layout={OLD_POLICY_LAYOUT} selects from pi_old, the actor's weights at verl's log-prob pass, but "
+            f"{ROLLOUT_CORRECTION}.bypass_mode=True runs no actor log-prob pass: the old log-probs are the rollout "
+            f"engine's, not the actor's, and there is no pass entropy",
+            f"{fix_layout}, or set {ROLLOUT_CORRECTION}.bypass_mode=False")]
+    kind = trainer_kind(config)
+    if spec.reads_entropy(settings) and kind not in OLD_POLICY_ENTROPY_TRAINERS:
+        reader = "its selection" if spec.prepass_reads_entropy else "the entropy controller (entropy_target)"
+        return [Finding(
+            ERROR, "old-policy-entropy-not-kept", key,
+            f"loss_mode={mode} with prepass_layout={OLD_POLICY_LAYOUT} reads pi_old's entropy ({reader}), which verl "
+            f"does not hand the update; the plugin keeps it from the actor's log-prob pass on the legacy and the v1 "
+            f"sync trainers only, and this is the v1 {kind} trainer",
+            f"{fix_layout}, or use trainer.use_v1=False or trainer.v1.trainer_mode=sync")]
+    return []
+
+
 def findings(config: Any) -> list[Finding]:
     """Every whole-config finding for a composed trainer config (``DictConfig``); [] unless it selects a
     global loss mode. Errors first. Reads ``actor_rollout_ref.actor``, ``data``, ``trainer`` and
@@ -314,7 +354,8 @@ def findings(config: Any) -> list[Finding]:
     if mode is None:
         return []
     found = (_bypass_findings(config, mode) + _on_policy_findings(config, mode) + _percentage_findings(config, mode)
-             + _ratio_findings(config, mode) + _keeps_all_findings(config, mode) + _controller_findings(config, mode))
+             + _ratio_findings(config, mode) + _keeps_all_findings(config, mode) + _controller_findings(config, mode)
+             + _old_policy_findings(config, mode))
     return sorted(found, key=lambda f: f.severity != ERROR)
 
 

@@ -22,7 +22,8 @@ are checked once, at import, by :mod:`verl_klcov_global.seams` (a moved seam rai
   ``verl.workers.engine_workers.TrainingWorker.infer_batch(self, data)`` (~398, what the actor's
   ``compute_log_prob`` calls) so that a pass of an actor whose loss is a global mode with
   ``prepass_layout=infer`` and whose LoRA adapter stays on (no ``no_lora_adapter``) opens
-  :func:`.reuse.log_prob_pass`; verl's dispatch attributes (``@register``) are kept. Installed by
+  :func:`.reuse.log_prob_pass` (with ``prepass_layout=old``, where the mode or the controller reads
+  entropy: held for the whole update, :mod:`.old_policy`); verl's dispatch attributes (``@register``) are kept. Installed by
   :func:`install_reuse`; skipped where verl's engine workers cannot be imported (their web-server
   dependencies missing), where no actor can run either.
 * ``log_prob_pass_keep`` (same processes as ``train_batch_prepass``): wraps
@@ -51,6 +52,7 @@ from tensordict import TensorDict
 from verl.workers.engine.base import BaseEngine
 
 from .. import driver
+from ..config import OLD_POLICY_LAYOUT
 from ..modes import global_mode_of
 from . import reuse
 from .step import actor_config_of, train_batch_with_prepass
@@ -191,6 +193,10 @@ def _log_prob_pass_of(worker, data):
         settings = mode.read_settings(config)
     except ValueError:  # a bad knob: the update raises it by name; nothing to keep
         return contextlib.nullcontext()
+    if settings.prepass_layout == OLD_POLICY_LAYOUT:  # pi_old's entropy, held for every step of the update
+        if not mode.reads_entropy(settings):
+            return contextlib.nullcontext()  # old_log_probs travel with the batch: nothing to keep
+        return reuse.log_prob_pass(engine, keep_entropy=True, hold=True)
     if settings.prepass_layout != "infer":
         return contextlib.nullcontext()
     return reuse.log_prob_pass(engine, keep_entropy=mode.reads_entropy(settings))

@@ -26,6 +26,8 @@ Micro-batching of the prepass (``prepass_layout``):
   all-gathers FSDP parameters on every rank; a rank that would need an empty forward
   makes every rank raise instead of hanging.
 * ``train``: the training micro-batch keys of the minibatch, verl's own split.
+* ``old`` (opt-in): no forward at all; step 1 reads pi_old's statistics, the minibatch's ``old_log_probs``
+  and the entropy of verl's log-prob pass held for the update (:mod:`.old_policy`). Not the current policy.
 
 Peak memory (the prepass must not exceed max(verl's compute_log_prob on the same
 minibatch, the training step)). The prepass runs inside verl's train-mode context, where an
@@ -67,9 +69,11 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import BaseEngine
 from verl.workers.utils.padding import no_padding_2_padding
 
+from ..config import OLD_POLICY_LAYOUT
 from ..layout import fit_width, padded
 from ..modes import ModeSpec, Selection
 from . import reuse
+from .old_policy import old_policy_statistics
 from .control import Steering, settle_after_selection, steer
 from .logprobs import batched_logsumexp
 
@@ -95,7 +99,8 @@ class PrepassResult:
     prepass (see :func:`optimizer_states_off_device`). ``steering``: the entropy controller's step
     (its decision and the settings the selection used), None with the controller off. ``reused``: no
     prepass ran, the statistics are verl's own log-prob pass's (:mod:`.reuse`); then ``prepass_seconds``
-    is 0 and ``selection_seconds`` includes the look-up.
+    is 0 and ``selection_seconds`` includes the look-up. ``from_old_policy``: ``prepass_layout=old``, no prepass,
+    the statistics are pi_old's (:mod:`.old_policy`; ``prepass_seconds`` 0, ``reused`` False).
     """
 
     selection: Selection
@@ -105,6 +110,7 @@ class PrepassResult:
     optimizer_states_offloaded: bool = False
     steering: Optional[Steering] = None
     reused: bool = False
+    from_old_policy: bool = False
 
     def figures(self) -> dict[str, float]:
         """The step's figures for logging (names without the mode's prefix): the selection's, the controller's."""
@@ -121,9 +127,14 @@ def run_prepass_and_select(engine: BaseEngine, data: TensorDict, settings: Any, 
     collective)."""
     needs_entropy = mode.reads_entropy(settings)  # the mode's row and its settings, not its name
     started = time.perf_counter()
+    from_old_policy = settings.prepass_layout == OLD_POLICY_LAYOUT
     # [reuse] verl's own log-prob pass, where it was made with these very parameters (engine/reuse.py)
-    reused = reuse.take(engine, data, layout=settings.prepass_layout, needs_entropy=needs_entropy)
-    if reused is not None:
+    reused = None if from_old_policy else reuse.take(engine, data, layout=settings.prepass_layout,
+                                                     needs_entropy=needs_entropy)
+    if from_old_policy:  # opt-in: pi_old's statistics at every step, no forward (engine/old_policy.py)
+        log_probs, entropy = old_policy_statistics(engine, data, mode_name=mode.name, needs_entropy=needs_entropy)
+        offloaded, prepass_seconds = False, 0.0
+    elif reused is not None:
         (log_probs, entropy), offloaded, prepass_seconds = reused, False, 0.0
     else:  # [/reuse]
         entropy = None
@@ -149,6 +160,7 @@ def run_prepass_and_select(engine: BaseEngine, data: TensorDict, settings: Any, 
     return PrepassResult(
         selection=selection, prepass_seconds=prepass_seconds, selection_seconds=finished - selected_at,
         mode=mode, optimizer_states_offloaded=offloaded, steering=steering, reused=reused is not None,
+        from_old_policy=from_old_policy,
     )
 
 

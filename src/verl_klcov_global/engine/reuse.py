@@ -61,7 +61,8 @@ from tensordict import TensorDict
 
 from ..layout import padded
 
-__all__ = ["REUSE_RECORD_NAME", "after_infer_batch", "disabled", "kept_nbytes", "kept_rows", "last_reason",
+__all__ = ["REUSE_RECORD_NAME", "after_infer_batch", "agreed", "disabled", "held_entropy", "kept_nbytes",
+           "kept_rows", "last_reason",
            "log_prob_pass", "take", "weights_changed", "weights_restored", "weights_version"]
 
 #: ``torch.profiler.record_function`` name of the look-up of verl's statistics.
@@ -80,6 +81,7 @@ class _Kept:
     offsets: torch.Tensor  # (rows + 1,) int64: row i's tokens are log_probs[offsets[i]:offsets[i + 1]]
     log_probs: torch.Tensor  # (tokens,) the response tokens' log-probs, rows one after another
     entropy: Optional[torch.Tensor]  # (tokens,) or None
+    held: bool = False  # kept for the whole update (prepass_layout=old): a weights bump does not free it
 
     @property
     def nbytes(self) -> int:
@@ -107,6 +109,7 @@ _STATES: "weakref.WeakKeyDictionary[Any, _EngineState]" = weakref.WeakKeyDiction
 class _Pass:
     engine: Any
     keep_entropy: bool
+    hold: bool = False
 
 
 _PASS: contextvars.ContextVar[Optional[_Pass]] = contextvars.ContextVar("verl_klcov_global_log_prob_pass",
@@ -142,6 +145,8 @@ def weights_changed(engine, why: str) -> None:
     if state is None:
         return
     state.version += 1
+    if state.kept is not None and state.kept.held:
+        return  # pi_old's statistics, read by every optimizer step of the update (engine/old_policy.py)
     if state.kept is not None:
         state.missing = f"the weights changed after verl's log-prob pass ({why})"
     state.kept = None
@@ -193,9 +198,13 @@ def _tracked_state(engine) -> Optional[_EngineState]:
 
 
 @contextlib.contextmanager
-def log_prob_pass(engine, *, keep_entropy: bool) -> Iterator[None]:
-    """Inside this block, a call of ``engine.infer_batch`` is verl's log-prob pass to keep (:func:`after_infer_batch`)."""
-    token = _PASS.set(_Pass(engine, keep_entropy))
+def log_prob_pass(engine, *, keep_entropy: bool, hold: bool = False) -> Iterator[None]:
+    """Inside this block, a call of ``engine.infer_batch`` is verl's log-prob pass to keep (:func:`after_infer_batch`).
+
+    ``hold``: keep it for the whole update, until the next pass replaces it (``prepass_layout=old``, whose every
+    optimizer step reads pi_old's entropy: :func:`held_entropy`); reuse (:func:`take`) still needs the weights
+    version of the pass, so a held pass is never handed to a step after the first weights bump."""
+    token = _PASS.set(_Pass(engine, keep_entropy, hold))
     try:
         yield
     finally:
@@ -215,14 +224,15 @@ def after_infer_batch(engine, data: TensorDict, outputs: Any) -> None:
         if state is None:
             return
         state.kept = None  # a new pass replaces the previous one, whatever happens below
-        state.kept, state.missing = _keep(state.version, data, outputs, current.keep_entropy)
+        state.kept, state.missing = _keep(state.version, data, outputs, current.keep_entropy, current.hold)
     except Exception as error:  # e.g. a layout this code does not know
         if state is not None:
             state.kept = None
             state.missing = f"verl's log-prob pass could not be kept ({type(error).__name__}: {error})"
 
 
-def _keep(version: int, data: TensorDict, outputs: Any, keep_entropy: bool) -> tuple[Optional[_Kept], str]:
+def _keep(version: int, data: TensorDict, outputs: Any, keep_entropy: bool,
+          hold: bool = False) -> tuple[Optional[_Kept], str]:
     from verl.workers.utils.padding import no_padding_2_padding
 
     model_output = outputs.get("model_output") if isinstance(outputs, dict) else None
@@ -253,7 +263,7 @@ def _keep(version: int, data: TensorDict, outputs: Any, keep_entropy: bool) -> t
                 torch.equal(f[offsets[row]:offsets[row + 1]], f[offsets[first]:offsets[first + 1]]) for f in flat):
             index[digest] = _AMBIGUOUS
     kept = _Kept(version=version, settings=_pass_settings(data), index=index, offsets=offsets, log_probs=flat[0],
-                 entropy=flat[1] if keep_entropy else None)
+                 entropy=flat[1] if keep_entropy else None, held=hold)
     return kept, "kept"
 
 
@@ -275,7 +285,7 @@ def take(engine, data: TensorDict, *, layout: str, needs_entropy: bool) -> Optio
             found, reason = _look_up(engine, state, data, needs_entropy)
         except Exception as error:  # never fail a step for want of reuse: the prepass runs
             found, reason = None, f"look-up failed ({type(error).__name__}: {error})"
-        if not _agreed(found is not None):
+        if not agreed(found is not None):
             if found is not None:
                 reason = "another rank cannot reuse verl's log-prob pass for this step"
             found = None
@@ -335,7 +345,35 @@ def _gather(kept: _Kept, rows: list[int], data: TensorDict) -> tuple[torch.Tenso
     return out[0], out[1]
 
 
-def _agreed(ok: bool) -> bool:
+def held_entropy(engine, data: TensorDict) -> tuple[Optional[torch.Tensor], str]:
+    """pi_old's entropy of ``data``'s rows, (batch, response width) on the engine's device, from the log-prob pass
+    held for this update (:func:`log_prob_pass` with ``hold=True``), whatever optimizer steps came since; or
+    ``(None, why not)``. Local: the caller agrees over the ranks. Rows are matched by content, as in :func:`take`."""
+    state = _STATES.get(engine)
+    if state is None:
+        return None, "no log-prob pass kept for this engine"
+    if state.module() is not getattr(engine, "module", None) or state.optimizer() is not getattr(engine, "optimizer",
+                                                                                                   None):
+        return None, "the engine's module or optimizer was rebuilt after verl's log-prob pass"
+    kept = state.kept
+    if kept is None:
+        return None, state.missing
+    if not kept.held or kept.entropy is None:
+        return None, "verl's log-prob pass was kept without its entropy for the whole update"
+    if _has_media(data):
+        return None, "the minibatch has multi-modal inputs"
+    digests = _row_digests(data)
+    if digests is None:
+        return None, "the minibatch has no nested input_ids/position_ids or no prompts/responses"
+    rows = [kept.index.get(digest) for digest in digests]
+    if any(row is None for row in rows):
+        return None, f"{sum(row is None for row in rows)} of {len(rows)} rows were not in verl's log-prob pass"
+    if any(row == _AMBIGUOUS for row in rows):
+        return None, "rows of equal content got different statistics in verl's log-prob pass"
+    return _gather(kept, rows, data)[1], "held"
+
+
+def agreed(ok: bool) -> bool:
     """``ok`` on every rank of the default process group (MIN of one integer); ``ok`` alone without one."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return ok

@@ -31,6 +31,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
+from ..config import OLD_POLICY_LAYOUT
 from ..configs import CONFIG_DIR
 from .diagnose import DiagnoseError, DiagnoseOptions
 
@@ -127,6 +128,12 @@ def prepass_counts(config) -> dict:
         steps, passes_with_current_weights = sync_steps * per_pass, sync_steps
     layout = OmegaConf.select(config, f"{POLICY_LOSS}.prepass_layout", default="infer") or "infer"
     bypass = bool(OmegaConf.select(config, "algorithm.rollout_correction.bypass_mode", default=False))
+    if layout == OLD_POLICY_LAYOUT:  # engine/old_policy.py: no forward at any step
+        text = (f"{steps} optimizer step{'s' if steps != 1 else ''} per trainer step ({kind} trainer), one selection "
+                f"each: none runs a prepass (prepass_layout={layout}: every step selects from pi_old's statistics, "
+                "verl's old_log_probs and its log-prob pass's entropy, not the current policy's)")
+        return {"optimizer_steps": steps, "prepasses": 0, "reused": 0, "trainer": kind, "prepass_layout": layout,
+                "bypass_mode": bypass, "text": text}
     if bypass:
         reused, why = 0, "bypass_mode=True: the old log-probs are the rollout's, verl runs no actor log-prob pass"
     elif layout != "infer":
