@@ -12,7 +12,8 @@ verl's trainer makes the actor do per step, for every variant in a rotated order
 
 Variants: ``kl_cov`` / ``kl_cov_global``, ``clip_cov`` / ``clip_cov_global``, ``vanilla`` /
 ``high_entropy_global`` (the 80/20 mode's upstream is verl's ``vanilla`` loss), and each global mode with
-reuse switched off (``[prepass]``: what 0.4.1 ran, a prepass every optimizer step). Figures: medians of the
+reuse switched off (``[prepass]``: what 0.4.1 ran, a prepass every optimizer step), and each global mode with
+``prepass_layout=old`` (``[old]``: pi_old's statistics at every optimizer step, no prepass). Figures: medians of the
 update's and the pass's wall seconds, the update over its upstream's (ratio of medians and median of the
 per-round ratios), the same for pass + update (the actor's share of a trainer step), and the kept bytes.
 ``--memory``: peak resident-set growth of one pass + update per variant (on-policy setup), each in a fresh
@@ -42,22 +43,32 @@ BATCH, PROMPT, RESPONSE, SEED = 64, 16, 128, 0
 #: global mode -> its upstream (what the ratio divides by)
 PAIRS = {"kl_cov_global": "kl_cov", "clip_cov_global": "clip_cov", "high_entropy_global": "vanilla"}
 NO_REUSE = "[prepass]"
-VARIANTS = tuple(v for g, u in PAIRS.items() for v in (u, g, g + NO_REUSE))
+#: the opt-in ``prepass_layout=old``: pi_old's statistics at every optimizer step, no prepass
+OLD_POLICY = "[old]"
+VARIANTS = tuple(v for g, u in PAIRS.items() for v in (u, g, g + NO_REUSE, g + OLD_POLICY))
 #: trainer-only keys the worker injects itself
 WORKER_KEYS = ("use_dynamic_bsz", "micro_batch_size_per_gpu", "max_token_len_per_gpu", "global_token_num",
                "update_lr_scheduler", "disable_auto_offload", "compute_loss", "calculate_entropy")
 
 
 def _actor_config(variant: str, mini_batch: int, epochs: int):
-    from verl_klcov_global.config import ClipCovGlobalPolicyLossConfig, HighEntropyGlobalPolicyLossConfig
+    from verl_klcov_global.config import (
+        ClipCovGlobalPolicyLossConfig, HighEntropyGlobalPolicyLossConfig, KLCovGlobalPolicyLossConfig,
+    )
     from verl_klcov_global.lab import tiny as _tiny
 
-    mode = variant.replace(NO_REUSE, "")
+    mode = variant.replace(NO_REUSE, "").replace(OLD_POLICY, "")
+    layout = "old" if variant.endswith(OLD_POLICY) else "infer"
     common = dict(ppo_mini_batch_size=mini_batch, ppo_epochs=epochs)
     if mode == "clip_cov_global":
-        return _tiny.make_actor_config(policy_loss=ClipCovGlobalPolicyLossConfig(clip_cov_ratio=0.0002), **common)
+        return _tiny.make_actor_config(policy_loss=ClipCovGlobalPolicyLossConfig(clip_cov_ratio=0.0002,
+                                                                                 prepass_layout=layout), **common)
     if mode == "high_entropy_global":
-        return _tiny.make_actor_config(policy_loss=HighEntropyGlobalPolicyLossConfig(entropy_top_ratio=0.2), **common)
+        return _tiny.make_actor_config(policy_loss=HighEntropyGlobalPolicyLossConfig(entropy_top_ratio=0.2,
+                                                                                     prepass_layout=layout), **common)
+    if mode == "kl_cov_global":
+        return _tiny.make_actor_config(policy_loss=KLCovGlobalPolicyLossConfig(kl_cov_ratio=0.0002, ppo_kl_coef=1.0,
+                                                                               prepass_layout=layout), **common)
     return _tiny.make_actor_config(loss_mode=mode, kl_cov_ratio=0.0002, ppo_kl_coef=1.0, **common)
 
 
@@ -100,6 +111,7 @@ def _trainer_step(worker, batch, variant: str, mini_batch: int, epochs: int) -> 
     from verl_klcov_global.engine import reuse
 
     worker.set_loss_fn(functools.partial(ppo_loss, config=_actor_config(variant, mini_batch, epochs)))
+    reuse.forget(worker.engine)  # nothing of the previous variant's pass (a held [old] one stays until replaced)
     data = batch.copy()
     switch = reuse.disabled() if variant.endswith(NO_REUSE) else contextlib.nullcontext()
     with switch:
@@ -117,26 +129,31 @@ def _trainer_step(worker, batch, variant: str, mini_batch: int, epochs: int) -> 
         metrics = tu.get(worker.train_mini_batch(data), "metrics")
         c3, t3 = time.process_time(), time.perf_counter()
     reused = [float(v) for key, values in metrics.items() if key.endswith("prepass_reused") for v in values]
+    # the plugin's own seconds inside the update (prepass + selection, per optimizer step): an in-process account of
+    # what it adds to verl's train_batch, free of the machine's noise between calls
+    plugin = [float(v) for key, values in metrics.items()
+              if key.endswith(("prepass_seconds", "selection_seconds")) for v in values]
     return {"pass": t1 - t0, "update": t3 - t2, "pass_cpu": c1 - c0, "update_cpu": c3 - c2, "kept_bytes": kept,
-            "reused": sum(reused)}
+            "reused": sum(reused), "plugin_seconds": sum(plugin)}
 
 
-def run_case(model_dir: str, case: str, *, reps: int, warmup: int, progress=print) -> dict[str, Any]:
+def run_case(model_dir: str, case: str, *, reps: int, warmup: int, progress=print,
+             variants: tuple = VARIANTS) -> dict[str, Any]:
     packed = CASES[case]
     worker, batch = _worker(model_dir, packed), _batch(packed)
     tokens = int(batch["response_mask"].values().sum())
     out: dict[str, Any] = {"case": case, "response_tokens": tokens, "setups": {}}
     for setup, (mini_batch, epochs) in SETUPS.items():
-        samples: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+        samples: dict[str, list[dict]] = {v: [] for v in variants}
         for _ in range(warmup):
-            for variant in VARIANTS:
+            for variant in variants:
                 _trainer_step(worker, batch, variant, mini_batch, epochs)
         for rep in range(reps):
-            order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[: rep % len(VARIANTS)]
+            order = variants[rep % len(variants):] + variants[: rep % len(variants)]
             for variant in order:
                 samples[variant].append(_trainer_step(worker, batch, variant, mini_batch, epochs))
             progress(f"  {case} / {setup}: round {rep + 1}/{reps} " + " ".join(
-                f"{v}={samples[v][-1]['update']:.2f}s" for v in VARIANTS))
+                f"{v}={samples[v][-1]['update']:.2f}s" for v in variants))
         out["setups"][setup] = summarise(samples, mini_batch, epochs, tokens)
     return out
 
@@ -154,7 +171,9 @@ def summarise(samples: dict[str, list[dict]], mini_batch: int, epochs: int, toke
     }
     for mode, upstream in PAIRS.items():
         row = {}
-        for variant in (mode, mode + NO_REUSE):
+        if upstream not in samples:
+            continue
+        for variant in (v for v in (mode, mode + NO_REUSE, mode + OLD_POLICY) if v in samples):
             ours, theirs = samples[variant], samples[upstream]
             row[variant] = {
                 "update_over_upstream": med(variant, "update") / med(upstream, "update"),
@@ -167,6 +186,9 @@ def summarise(samples: dict[str, list[dict]], mini_batch: int, epochs: int, toke
                 "reused_per_update": med(variant, "reused"),
                 "kept_bytes": med(variant, "kept_bytes"),
                 "kept_bytes_per_response_token": med(variant, "kept_bytes") / tokens,
+                # the update over the update without the plugin's own seconds (prepass + selection), per round
+                "update_over_update_without_plugin": median(a["update"] / (a["update"] - a["plugin_seconds"])
+                                                            for a in ours),
             }
         figures["modes"][mode] = row
     return figures
@@ -213,18 +235,18 @@ def report(payload: dict) -> str:
         for setup, figures in case["setups"].items():
             med = figures["median_update_seconds"]
             for mode, upstream in PAIRS.items():
-                for variant in (mode, mode + NO_REUSE):
+                for variant in figures["modes"].get(mode, {}):
                     f = figures["modes"][mode][variant]
                     memory = payload.get("memory", {}).get(case["case"], {}).get(setup, {})
                     rows.append([case["case"], setup, variant, upstream, f"{med[variant]:.2f}",
                                  f"{med[upstream]:.2f}", f"{f['update_over_upstream']:.2f}",
                                  f"{f['update_over_upstream_paired']:.2f}", f"{f['update_over_upstream_cpu']:.2f}",
-                                 f"{f['step_over_upstream']:.2f}",
+                                 f"{f['update_over_update_without_plugin']:.3f}", f"{f['step_over_upstream']:.2f}",
                                  f"{f['pass_over_upstream_pass']:.2f}", f"{f['reused_per_update']:g}",
                                  f"{f['kept_bytes_per_response_token']:.2f}",
                                  _mib(memory.get(variant)) + " / " + _mib(memory.get(upstream))])
     return table(["case", "setup", "variant", "upstream", "update s", "upstream s", "update/upstream", "paired",
-                  "cpu", "pass+update/upstream", "pass/upstream pass", "reused/update", "kept B/token",
+                  "cpu", "update/(update-plugin)", "pass+update/upstream", "pass/upstream pass", "reused/update", "kept B/token",
                   "peak RSS growth MiB (ours / upstream)"], rows)
 
 
@@ -237,6 +259,9 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--cases", default="padded,packed")
+    parser.add_argument("--variants", default="all",
+                        help="'all', 'old' (each upstream and its [old] variant only) or a comma-separated list of "
+                             f"{list(VARIANTS)}")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--memory", action="store_true", help="also the peak RSS growth (fresh processes)")
     parser.add_argument("--json", dest="json_path")
@@ -255,6 +280,15 @@ def main(argv=None) -> int:
     from verl_klcov_global.lab.tiny import build_tiny_model
 
     cases = [c for c in args.cases.split(",") if c]
+    if args.variants == "all":
+        variants = VARIANTS
+    elif args.variants == "old":
+        variants = tuple(v for g, u in PAIRS.items() for v in (u, g + OLD_POLICY))
+    else:
+        variants = tuple(v for v in args.variants.split(",") if v)
+        unknown = sorted(set(variants) - set(VARIANTS))
+        if unknown:
+            parser.error(f"--variants: unknown {unknown}; known: {list(VARIANTS)}")
     progress = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_reuse_") as scratch:
@@ -263,8 +297,9 @@ def main(argv=None) -> int:
                                    "cases": []}
         payload["machine"]["command"] = " ".join(["python", "-m", "benchmarks.bench_reuse", *(argv or sys.argv[1:])])
         for case in cases:
-            progress(f"[{case}] {len(VARIANTS)} variants x {len(SETUPS)} setups, {args.reps} rounds")
-            payload["cases"].append(run_case(model_dir, case, reps=args.reps, warmup=args.warmup, progress=progress))
+            progress(f"[{case}] {len(variants)} variants x {len(SETUPS)} setups, {args.reps} rounds")
+            payload["cases"].append(run_case(model_dir, case, reps=args.reps, warmup=args.warmup, progress=progress,
+                                             variants=variants))
         if args.memory:
             # the on-policy setup, where reuse leaves no prepass at all: what the kept data does to the peak
             payload["memory"] = measure_memory(model_dir, cases, list(SETUPS)[:1], progress=progress)

@@ -92,10 +92,13 @@ class RunConfig:
     entropy_control_kp: float = 10.0
     entropy_control_min_ratio: Optional[float] = None
     entropy_control_max_ratio: Optional[float] = None
+    # A global mode's prepass_layout ("infer", the plugin's default, is not written into the config).
+    prepass_layout: str = "infer"
 
     def label(self) -> str:
         target = "" if self.entropy_target is None else f" target={self.entropy_target:g}"
-        return f"{self.loss_mode}{target} mbs={self.micro_batch_size} dp={self.world_size}"
+        layout = "" if self.prepass_layout == "infer" else f" layout={self.prepass_layout}"
+        return f"{self.loss_mode}{target}{layout} mbs={self.micro_batch_size} dp={self.world_size}"
 
 
 @dataclass
@@ -166,6 +169,7 @@ def trainer_overrides(run: RunConfig, *, model_path: str, train_file: str, out_d
         f"{policy}.clip_cov_ub={run.clip_cov_ub}",
         *high_entropy_overrides(run),
         *controller_overrides(run),
+        *layout_overrides(run),
         f"actor_rollout_ref.rollout.n={run.responses_per_prompt}",
         "actor_rollout_ref.rollout.full_determinism=True",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
@@ -206,6 +210,19 @@ def controller_overrides(run: RunConfig) -> list[str]:
              "entropy_control_kp": run.entropy_control_kp, "entropy_control_min_ratio": run.entropy_control_min_ratio,
              "entropy_control_max_ratio": run.entropy_control_max_ratio}
     return out + [f"+{policy}.{key}={value!r}" for key, value in knobs.items() if value is not None]
+
+
+def layout_overrides(run: RunConfig) -> list[str]:
+    """``prepass_layout`` of a global mode's run, with the mode's config class where no other override sets it
+    (none for the default ``infer``)."""
+    if run.prepass_layout == "infer":
+        return []
+    if run.loss_mode not in GLOBAL_CONFIGS:
+        raise ValueError(f"{run.label()}: prepass_layout needs a global loss mode ({sorted(GLOBAL_CONFIGS)})")
+    policy = "actor_rollout_ref.actor.policy_loss"
+    has_class = run.loss_mode in HIGH_ENTROPY_CONFIGS or run.entropy_target is not None
+    out = [] if has_class else [f"{policy}._target_={GLOBAL_CONFIGS[run.loss_mode]}"]
+    return out + [f"+{policy}.prepass_layout={run.prepass_layout}"]
 
 
 def high_entropy_overrides(run: RunConfig) -> list[str]:

@@ -1,4 +1,5 @@
-"""The experiment's helpers (``lab/experiment.py``) that need no engine: the table's modes and their variants."""
+"""The experiment's helpers (``lab/experiment.py``): the table's modes and their variants (no engine), and one diagnose run
+of ``prepass_layout=old`` (verl's engine, slow)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,19 @@ def test_the_compared_modes_come_from_the_table():
     # high_entropy_global's upstream is the lab's comparator: compared_modes registers it in-process
     assert compared_modes("high_entropy_global") == ("vanilla", "high_entropy_per_micro_batch", "high_entropy_global")
     assert upstream_counts("high_entropy_per_micro_batch") is HIGH_ENTROPY
+
+
+@pytest.mark.slow  # verl's engine on CPU
+def test_diagnose_runs_the_old_policy_layout_with_the_pass_a_trainer_would_hold():
+    """``prepass_layout=old`` reads pi_old's entropy from verl's log-prob pass, which diagnose's frozen update has no
+    trainer to run: ``one_update`` runs and holds it (``hold_old_policy_pass``), so the 80/20 mode is diagnosed with
+    it, masks identical for 1 and 4 micro-batches."""
+    from verl_klcov_global.lab.diagnose import DiagnoseOptions, run_diagnose
+
+    report = run_diagnose(DiagnoseOptions(loss_mode="high_entropy_global", prepass_layout="old",
+                                          compare_prepass_layouts=False, blocks=1, batch_size=16, response_len=32,
+                                          micro_batches=4), progress=lambda message: None)
+    mode = report["modes"]["high_entropy_global"]
+    assert report["invariant"] is True and mode["masks_identical"] is True
+    (selected_one, selected_four), = mode["selected_per_layout"]
+    assert selected_one == selected_four > 0

@@ -268,6 +268,7 @@ def test_the_entropy_controller_is_listed_and_diagnosed_with_the_users_settings(
     (["data.train_batch_size=128", "actor_rollout_ref.actor.ppo_epochs=2"], (4, 3, 1)),
     (["algorithm.rollout_correction.bypass_mode=True"], (4, 4, 0)),  # no actor log-prob pass
     (["actor_rollout_ref.actor.policy_loss.prepass_layout=train"], (4, 4, 0)),
+    (["actor_rollout_ref.actor.policy_loss.prepass_layout=old"], (4, 0, 0)),  # pi_old's statistics, no forward
     (["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=4"], (4, 3, 1)),
     (["trainer.use_v1=False", "data.train_batch_size=64"], (1, 0, 1)),
 ])

@@ -37,6 +37,10 @@ mode with ``prepass_layout=infer``, with its LoRA adapter on, see :mod:`.patches
 response token, the log-prob (4 bytes in fp32) and, where the step reads it, the entropy (4 bytes);
 per row one digest (16 bytes) and an offset (8 bytes), plus a Python dict entry. It is freed by the
 first weights bump after the pass, i.e. the update's first optimizer step, or replaced by the next pass.
+With ``prepass_layout=old`` and a step that reads entropy (:mod:`.old_policy`), the pass is kept with its
+entropy and *held*: a weights bump leaves it (the version still moves, so :func:`take` never hands it to a
+later step), every optimizer step of the update reads pi_old's entropy from it (:func:`held_entropy`), and the
+next pass replaces it.
 
 On a reused step the statistics are the log-prob pass's, bit for bit. They equal what the prepass would
 compute wherever verl's numerics do not depend on which rows share a micro-batch: on a CPU in fp32,
@@ -61,7 +65,7 @@ from tensordict import TensorDict
 
 from ..layout import padded
 
-__all__ = ["REUSE_RECORD_NAME", "after_infer_batch", "agreed", "disabled", "held_entropy", "kept_nbytes",
+__all__ = ["REUSE_RECORD_NAME", "after_infer_batch", "agreed", "disabled", "forget", "held_entropy", "kept_nbytes",
            "kept_rows", "last_reason",
            "log_prob_pass", "take", "weights_changed", "weights_restored", "weights_version"]
 
@@ -474,6 +478,16 @@ def _row_digests(data: TensorDict) -> Optional[list[bytes]]:
 
 # ---------------------------------------------------------------------------------------------
 # For diagnostics and tests
+
+
+def forget(engine) -> None:
+    """Drop what is kept for ``engine``, held or not (benchmarks and tests that switch one worker's loss between
+    passes: a pass that keeps nothing leaves the previous pass's data, which only a weights bump or a keeping pass
+    frees)."""
+    state = _STATES.get(engine)
+    if state is not None:
+        state.kept = None
+        state.missing = "dropped by reuse.forget"
 
 
 def last_reason(engine) -> str:

@@ -211,6 +211,7 @@ def one_update(engine_spec: EngineSpec, batch: TensorDict, actor_config, layout:
         from verl.utils import tensordict_utils as tu
 
         tu.assign_non_tensor(td, calculate_entropy=True)  # the training forward computes each micro-batch's entropy
+    hold_old_policy_pass(engine, td, actor_config)
     quotas: list[int] = []
     selections: list[PrepassResult] = []
     loss_function = functools.partial(functools.partial(_counting_ppo_loss, quotas), config=actor_config)
@@ -229,6 +230,28 @@ def one_update(engine_spec: EngineSpec, batch: TensorDict, actor_config, layout:
         selected_tokens=selected,
         metrics=dict(output.get("metrics", {})) if isinstance(output, dict) else {},
     )
+
+
+def hold_old_policy_pass(engine, td: TensorDict, actor_config) -> None:
+    """For ``prepass_layout=old`` with a step that reads entropy: the log-prob pass verl's trainer would run before
+    the update (``calculate_entropy=True``, here on the fresh engine: pi_old), held by the plugin for the update
+    as PATCH ``log_prob_pass_context`` holds verl's (``engine/reuse.py``). Nothing for any other config."""
+    from verl.utils import tensordict_utils as tu
+
+    from ..config import OLD_POLICY_LAYOUT
+    from ..engine import reuse
+    from ..modes import global_mode_of
+
+    mode = global_mode_of(actor_config)
+    if mode is None:
+        return
+    settings = mode.read_settings(actor_config)
+    if settings.prepass_layout != OLD_POLICY_LAYOUT or not mode.reads_entropy(settings):
+        return
+    data = td.copy()
+    tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False)
+    with reuse.log_prob_pass(engine, keep_entropy=True, hold=True), engine.eval_mode():
+        engine.infer_batch(data)
 
 
 def _release(engine) -> None:

@@ -128,13 +128,12 @@ def prepass_counts(config) -> dict:
         steps, passes_with_current_weights = sync_steps * per_pass, sync_steps
     layout = OmegaConf.select(config, f"{POLICY_LOSS}.prepass_layout", default="infer") or "infer"
     bypass = bool(OmegaConf.select(config, "algorithm.rollout_correction.bypass_mode", default=False))
+    prepasses = None
     if layout == OLD_POLICY_LAYOUT:  # engine/old_policy.py: no forward at any step
-        text = (f"{steps} optimizer step{'s' if steps != 1 else ''} per trainer step ({kind} trainer), one selection "
-                f"each: none runs a prepass (prepass_layout={layout}: every step selects from pi_old's statistics, "
-                "verl's old_log_probs and its log-prob pass's entropy, not the current policy's)")
-        return {"optimizer_steps": steps, "prepasses": 0, "reused": 0, "trainer": kind, "prepass_layout": layout,
-                "bypass_mode": bypass, "text": text}
-    if bypass:
+        reused, prepasses = 0, 0
+        why = ("prepass_layout=old: every step selects from pi_old's statistics, verl's old_log_probs and its "
+               "log-prob pass's entropy, not the current policy's")
+    elif bypass:
         reused, why = 0, "bypass_mode=True: the old log-probs are the rollout's, verl runs no actor log-prob pass"
     elif layout != "infer":
         reused, why = 0, f"prepass_layout={layout}: the prepass uses the training micro-batches, verl's pass does not"
@@ -144,7 +143,7 @@ def prepass_counts(config) -> dict:
                if kind != "separate_async" else
                "only the first local step of a parameter_sync_step cycle runs verl's log-prob pass with the "
                "weights it updates")
-    prepasses = steps - reused
+    prepasses = steps - reused if prepasses is None else prepasses
 
     def count(n: int, one: str, many: str) -> str:
         return f"{n} {one if n == 1 else many}"
