@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -16,6 +17,9 @@ def test_peak_rss_growth_sees_a_temporary_that_is_freed_before_the_call_returns(
         def call():
             block = torch.ones(mib * 2**18)  # float32: mib MiB, touched
             total = float(block.sum())
+            # held long enough for the sampling thread to be scheduled: on a loaded 2-core runner a call of a few
+            # ms can end before the sampler runs once (seen in the full suite: growth 4096 B for the 64 MiB block)
+            time.sleep(0.2)
             del block
             return total
         return call

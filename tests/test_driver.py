@@ -58,7 +58,7 @@ BAD = [  # (mode, key, value, plugin_only, what the error says)
     ("kl_cov_global", "ppo_kl_coef", "false", False, r"ppo_kl_coef must be finite and >= 0, got False"),
     ("kl_cov_global", "ppo_kl_coef", "nan", False, r"got nan"),
     ("kl_cov_global", "ppo_kl_coef", "-1", False, r"got -1"),
-    ("kl_cov_global", "prepass_layout", "batch", True, r"prepass_layout must be one of \('infer', 'train'\)"),
+    ("kl_cov_global", "prepass_layout", "batch", True, r"prepass_layout must be one of \('infer', 'train', 'old'\)"),
     ("clip_cov_global", "clip_cov_ratio", "true", False, r"clip_cov_ratio must be finite and in \(0, 1\], got True"),
     ("clip_cov_global", "clip_cov_ratio", "2", False, r"got 2"),
     ("clip_cov_global", "clip_cov_lb", "-inf", False, r"clip_cov_lb must be a finite number, got -inf"),

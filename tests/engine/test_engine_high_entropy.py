@@ -299,8 +299,18 @@ def test_dp_2_and_ulysses_sp_2_give_the_single_process_mask_figures_and_update(t
     width = dp_single["high_entropy_global"].masks[0].shape[1]
     assert torch.equal(torch.cat([fit_width(mask, width) for _, mask, _ in ours_dp]),
                        dp_single["high_entropy_global"].masks[0])
-    # every figure bit for bit: exact sums, whatever the split
-    assert ours_dp[0][2] == ours_dp[1][2] == dp_single["high_entropy_global"].figures[0]
+    # the figures are exact group-wide sums: the two ranks report them bit for bit; against one process, bit for
+    # bit where this CPU's per-row entropies do not depend on the rows beside them in a micro-batch (the Intel
+    # runner), else the counts exactly and the means to the entropies' own last bits (an AMD EPYC runner:
+    # entropy_mean 6.2256925447 vs ...52, tests/engine/test_reuse.py's ROW_COMPANY_NOISE)
+    assert ours_dp[0][2] == ours_dp[1][2]
+    single_figures = dp_single["high_entropy_global"].figures[0]
+    assert ours_dp[0][2].keys() == single_figures.keys()
+    for name, value in single_figures.items():
+        if isinstance(value, int) or float(value).is_integer():
+            assert ours_dp[0][2][name] == value, name
+        else:
+            assert ours_dp[0][2][name] == pytest.approx(value, rel=1e-6), name
     assert torch.equal(ours_dp[0][0], ours_dp[1][0])  # the ranks agree on the update
     dp_control = max_abs_diff(rank0["dp"]["vanilla"][0], dp_single["vanilla"].params)
     dp_ours = max_abs_diff(ours_dp[0][0], dp_single["high_entropy_global"].params)

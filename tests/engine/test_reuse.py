@@ -6,7 +6,9 @@ its output, then ``train_mini_batch`` (``update_actor``). Every optimizer step's
 against the prepass's, computed on the same rows at the same parameters with reuse switched off
 (:class:`Steps`). Both ways:
 
-* reuse, with the prepass's statistics and masks bit for bit: on-policy (1 minibatch, 1 epoch) for the
+* reuse, with the prepass's statistics and masks (bit for bit where this CPU's fp32 numerics of a row do not
+  depend on the rows beside it in a micro-batch; else within :data:`ROW_COMPANY_NOISE`, the mask being the
+  selection on the reused statistics and at least 90% the prepass's): on-policy (1 minibatch, 1 epoch) for the
   three modes, v1 and legacy layouts, shuffled rows, static and dynamic batching; a KL-Cov step with the
   entropy controller on (the pass's entropy kept, the controller's decision the prepass's); packed sequences in the
   pass's row order (shuffled: the pass's own fp32 numerics, last bits apart from a prepass's); the first
@@ -122,6 +124,13 @@ def _recording_prepass_statistics():
         engine_prepass.compute_prepass_log_probs_and_entropy = real_both
 
 
+#: How far a row's fp32 log-prob (or entropy) may move on a CPU with the rows beside it in its micro-batch: 0 on the
+#: Intel Xeon runner the 0.5.0 tests were written on; on an AMD EPYC (AVX2) runner, padded, 3 of 1,024 response
+#: tokens 4.8e-7 apart between verl's pass (its rows in order) and a prepass of the shuffled minibatch. In the pass's
+#: own row order both were bit for bit. A bound, not a measurement of every CPU.
+ROW_COMPANY_NOISE = 1e-5
+
+
 class Steps:
     """Every optimizer step's outcome, next to the prepass's on the same rows at the same parameters.
 
@@ -141,7 +150,8 @@ class Steps:
         def run(engine, data, settings, mode):
             taken.clear()
             result = real_run(engine, data, settings, mode)
-            step = {"result": result, "taken": taken[0] if taken else None, "reason": reuse.last_reason(engine)}
+            step = {"result": result, "taken": taken[0] if taken else None, "reason": reuse.last_reason(engine),
+                    "data": data, "settings": settings}
             if reference:
                 with reuse.disabled(), _recording_prepass_statistics() as stats:
                     step["reference"] = real_run(engine, data, settings, mode)
@@ -157,14 +167,28 @@ class Steps:
         return [s["result"].reused for s in self.steps]
 
     def assert_reuse_is_the_prepass(self, step: dict) -> None:
+        """The reused step's statistics are the prepass's: bit for bit where this CPU's fp32 log-probs of a row do
+        not depend on the rows beside it in a micro-batch, else within :data:`ROW_COMPANY_NOISE` (see there); the
+        mask is the prepass's when the statistics are, and in any case the selection on the reused statistics."""
         result, reference = step["result"], step["reference"]
         assert result.reused and not reference.reused, step["reason"]
         log_probs, entropy = step["taken"]
-        assert torch.equal(log_probs, step["stats"][0])  # bit for bit
-        if step["stats"][1] is not None:
-            assert torch.equal(entropy, step["stats"][1])
-        assert torch.equal(result.selection.mask, reference.selection.mask)
-        assert 0 < int(result.selection.mask.sum()) < int(step["stats"][0].ne(0).sum())  # a real selection
+        prepass_log_probs, prepass_entropy = step["stats"]
+        same = torch.equal(log_probs, prepass_log_probs) and (prepass_entropy is None
+                                                              or torch.equal(entropy, prepass_entropy))
+        if same:
+            assert torch.equal(result.selection.mask, reference.selection.mask)
+        else:
+            assert float((log_probs - prepass_log_probs).abs().max()) < ROW_COMPANY_NOISE
+            if prepass_entropy is not None:
+                assert float((entropy - prepass_entropy).abs().max()) < ROW_COMPANY_NOISE
+            mode, settings, data = result.mode, step["settings"], step["data"]
+            if getattr(settings, "entropy_control", None) is None:
+                expected = mode.select_minibatch(log_probs, data, settings, None, entropy=entropy)
+                assert torch.equal(result.selection.mask, expected.mask)  # the selection on what was reused
+            overlap = int((result.selection.mask & reference.selection.mask).sum())
+            assert overlap >= 0.9 * int((result.selection.mask | reference.selection.mask).sum())
+        assert 0 < int(result.selection.mask.sum()) < int(prepass_log_probs.ne(0).sum())  # a real selection
         assert result.prepass_seconds == 0.0 < reference.prepass_seconds
 
 
@@ -237,9 +261,14 @@ def test_a_controlled_step_reuses_the_pass_entropy_and_decides_as_its_prepass_wo
     update(worker, batch)
     (result, reference), = outcomes
     assert result.reused and not reference.reused
-    assert result.steering.decision == reference.steering.decision  # H, error, integral, ratio: bit for bit
-    assert result.steering.decision.entropy > 5.0 and result.steering.decision.ratio_in_use < 0.02
-    assert torch.equal(result.selection.mask, reference.selection.mask) and result.selection.mask.any()
+    decision, expected = result.steering.decision, reference.steering.decision
+    if decision.entropy == expected.entropy:  # the pass's entropy is the prepass's bit for bit on this CPU
+        assert decision == expected  # H, error, integral, ratio: bit for bit
+        assert torch.equal(result.selection.mask, reference.selection.mask)
+    else:  # the rows beside each row in its micro-batch moved the last bits (ROW_COMPANY_NOISE)
+        assert decision.entropy == pytest.approx(expected.entropy, abs=ROW_COMPANY_NOISE)
+        assert decision.ratio_in_use == pytest.approx(expected.ratio_in_use, rel=1e-4)
+    assert decision.entropy > 5.0 and decision.ratio_in_use < 0.02 and result.selection.mask.any()
 
 
 def _worker_with(tiny_model_path, **engine):

@@ -91,7 +91,7 @@ def test_configs_yaml_selects_the_plugin_config_and_takes_overrides_without_plus
 
 
 @pytest.mark.parametrize("override, message", [
-    ("prepass_layout=batch", r"prepass_layout must be one of \('infer', 'train'\), got 'batch'.*policy_loss"),
+    ("prepass_layout=batch", r"prepass_layout must be one of \('infer', 'train', 'old'\), got 'batch'.*policy_loss"),
     ("kl_cov_ratio=0", r"kl_cov_ratio must be finite and in \(0, 1\].*policy_loss.kl_cov_ratio"),
     ("kl_cov_ratio=1.5", r"kl_cov_ratio must be finite and in \(0, 1\].*policy_loss.kl_cov_ratio"),
     ("ppo_kl_coef=-1", r"ppo_kl_coef must be finite and >= 0.*policy_loss.ppo_kl_coef"),

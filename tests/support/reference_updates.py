@@ -15,8 +15,12 @@ It uses only the lab API that 0.4.1 already had. Recorded with::
 
     python -m tests.support.reference_updates tests/data/updates_0.4.1.json
 
-from a checkout of 0.4.1 (commit 5810af9, torch 2.13.0 CPU, AVX512, one thread), which writes the JSON and
-the machine it ran on.
+with 0.4.1's source (commit 5810af9) imported, one thread, which writes the JSON and the machine it ran on:
+``updates_0.4.1.json`` on an AVX512 CPU (Intel Xeon); ``updates_0.4.1.AVX2.json`` on an AVX2 one (AMD EPYC), from
+this repository's root with a worktree of 5810af9 first on the path::
+
+    git worktree add /tmp/wt-041 5810af9
+    PYTHONPATH=/tmp/wt-041/src .venv/bin/python -m tests.support.reference_updates tests/data/updates_0.4.1.AVX2.json
 """
 
 from __future__ import annotations
@@ -109,19 +113,42 @@ def record(model_path: str) -> dict:
 
 
 def machine() -> dict:
-    """What decides this machine's float arithmetic, as far as torch tells."""
+    """What decides this machine's float arithmetic, as far as torch tells (and the CPU's name, to read it)."""
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+            "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "cpu": _cpu_name()}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def source_version() -> str:
+    """The version of the plugin source that runs: the ``pyproject.toml`` beside an imported checkout's ``src/``
+    (a 0.4.1 checkout on ``PYTHONPATH``), else the installed metadata's."""
+    from pathlib import Path
+
+    import verl_klcov_global
+
+    pyproject = Path(verl_klcov_global.__file__).resolve().parents[2] / "pyproject.toml"
+    if pyproject.is_file():
+        for line in pyproject.read_text().splitlines():
+            if line.startswith("version = "):
+                return line.split('"')[1]
+    return verl_klcov_global.__version__
 
 
 def main(argv: list[str]) -> None:
-    from verl_klcov_global import __version__
     from verl_klcov_global.lab.tiny import build_tiny_model
 
     torch.set_num_threads(1)  # the tests run each update in an xdist worker with one thread
     with tempfile.TemporaryDirectory() as work:
         figures = record(build_tiny_model(f"{work}/model", seed=MODEL_SEED))
-    figures.update(version=__version__, machine=machine())
+    figures.update(version=source_version(), machine=machine())
     with open(argv[0], "w") as f:
         json.dump(figures, f, indent=1, sort_keys=True)
         f.write("\n")
