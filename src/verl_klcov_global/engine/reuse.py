@@ -299,20 +299,20 @@ def take(engine, data: TensorDict, *, layout: str, needs_entropy: bool) -> Optio
     return found
 
 
-def _look_up(engine, state: Optional[_EngineState], data: TensorDict, needs_entropy: bool):
+def _kept_of(engine, state: Optional[_EngineState]) -> tuple[Optional[_Kept], str]:
+    """What is kept for ``engine`` now, if it was kept for the engine's current module and optimizer; else why not."""
     if state is None:
         return None, "no log-prob pass kept for this engine"
     if state.module() is not getattr(engine, "module", None) or state.optimizer() is not getattr(engine, "optimizer",
                                                                                                    None):
         return None, "the engine's module or optimizer was rebuilt after verl's log-prob pass"
-    kept = state.kept
-    if kept is None or kept.version != state.version:
+    if state.kept is None:
         return None, state.missing
-    if needs_entropy and kept.entropy is None:
-        return None, "verl's log-prob pass kept no entropy and this step reads it"
-    expected = _prepass_settings(engine, data)
-    if kept.settings != expected:
-        return None, f"verl's log-prob pass ran with other forward settings ({kept.settings} != {expected})"
+    return state.kept, "kept"
+
+
+def _rows_in(kept: _Kept, data: TensorDict) -> tuple[Optional[list[int]], str]:
+    """The pass's row of every row of ``data``, matched by digest; or None and the first reason it cannot be."""
     if _has_media(data):
         return None, "the minibatch has multi-modal inputs"
     digests = _row_digests(data)
@@ -323,11 +323,30 @@ def _look_up(engine, state: Optional[_EngineState], data: TensorDict, needs_entr
         return None, f"{sum(row is None for row in rows)} of {len(rows)} rows were not in verl's log-prob pass"
     if any(row == _AMBIGUOUS for row in rows):
         return None, "rows of equal content got different statistics in verl's log-prob pass"
+    return rows, "found"
+
+
+def _look_up(engine, state: Optional[_EngineState], data: TensorDict, needs_entropy: bool):
+    kept, reason = _kept_of(engine, state)
+    if kept is None:
+        return None, reason
+    if kept.version != state.version:
+        return None, state.missing
+    if needs_entropy and kept.entropy is None:
+        return None, "verl's log-prob pass kept no entropy and this step reads it"
+    expected = _prepass_settings(engine, data)
+    if kept.settings != expected:
+        return None, f"verl's log-prob pass ran with other forward settings ({kept.settings} != {expected})"
+    rows, reason = _rows_in(kept, data)
+    if rows is None:
+        return None, reason
     return _gather(kept, rows, data), "reused"
 
 
-def _gather(kept: _Kept, rows: list[int], data: TensorDict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The kept statistics of ``rows`` as the prepass returns them: (batch, width), zeros after each response."""
+def _gather(kept: _Kept, rows: list[int], data: TensorDict,
+            log_probs: bool = True) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The kept statistics of ``rows`` as the prepass returns them: (batch, width), zeros after each response
+    (``log_probs=False``: the entropy only, the log-probs None)."""
     from verl.utils.device import get_device_id
 
     width = padded(data["response_mask"]).shape[1]
@@ -340,7 +359,7 @@ def _gather(kept: _Kept, rows: list[int], data: TensorDict) -> tuple[torch.Tenso
     source = (starts.unsqueeze(1) + positions)[inside]
     device = get_device_id()
     out = []
-    for flat in (kept.log_probs, kept.entropy):
+    for flat in (kept.log_probs if log_probs else None, kept.entropy):
         if flat is None:
             out.append(None)
             continue
@@ -354,28 +373,15 @@ def held_entropy(engine, data: TensorDict) -> tuple[Optional[torch.Tensor], str]
     """pi_old's entropy of ``data``'s rows, (batch, response width) on the engine's device, from the log-prob pass
     held for this update (:func:`log_prob_pass` with ``hold=True``), whatever optimizer steps came since; or
     ``(None, why not)``. Local: the caller agrees over the ranks. Rows are matched by content, as in :func:`take`."""
-    state = _STATES.get(engine)
-    if state is None:
-        return None, "no log-prob pass kept for this engine"
-    if state.module() is not getattr(engine, "module", None) or state.optimizer() is not getattr(engine, "optimizer",
-                                                                                                   None):
-        return None, "the engine's module or optimizer was rebuilt after verl's log-prob pass"
-    kept = state.kept
+    kept, reason = _kept_of(engine, _STATES.get(engine))
     if kept is None:
-        return None, state.missing
+        return None, reason
     if not kept.held or kept.entropy is None:
         return None, "verl's log-prob pass was kept without its entropy for the whole update"
-    if _has_media(data):
-        return None, "the minibatch has multi-modal inputs"
-    digests = _row_digests(data)
-    if digests is None:
-        return None, "the minibatch has no nested input_ids/position_ids or no prompts/responses"
-    rows = [kept.index.get(digest) for digest in digests]
-    if any(row is None for row in rows):
-        return None, f"{sum(row is None for row in rows)} of {len(rows)} rows were not in verl's log-prob pass"
-    if any(row == _AMBIGUOUS for row in rows):
-        return None, "rows of equal content got different statistics in verl's log-prob pass"
-    return _gather(kept, rows, data)[1], "held"
+    rows, reason = _rows_in(kept, data)
+    if rows is None:
+        return None, reason
+    return _gather(kept, rows, data, log_probs=False)[1], "held"
 
 
 def agreed(ok: bool) -> bool:
