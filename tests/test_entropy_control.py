@@ -10,6 +10,7 @@ optimizer).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -24,8 +25,8 @@ from verl_klcov_global.config import (
     ClipCovGlobalPolicyLossConfig, HighEntropyGlobalPolicyLossConfig, KLCovGlobalPolicyLossConfig,
 )
 from verl_klcov_global.entropy_control import (
-    CONTROL_KNOBS, ControllerState, EntropyControlSettings, clamp_start, decide, measure_entropy, relative_error,
-    settle, validate_entropy_control,
+    CONTROL_KNOBS, ControllerState, EntropyControlSettings, clamp_start, decide, measure_entropy, predict_entropy,
+    relative_error, settle, validate_entropy_control,
 )
 from verl_klcov_global.guardrails import GuardrailWarning, findings
 from verl_klcov_global.modes import MODES
@@ -124,6 +125,75 @@ def test_no_integration_beyond_the_selections_reach_or_the_bounds():
 def test_the_state_round_trips_through_a_plain_dict():
     state = ControllerState(knob="clip_cov_ratio", log_ratio=-7.25, steps=12)
     assert ControllerState.from_dict(json.loads(json.dumps(state.to_dict()))) == state
+    assert "recent" not in state.to_dict()  # without a horizon: the 0.5.0 state, key for key
+    predicting = dataclasses.replace(state, recent=(4.1, 4.0, 3.875))
+    assert ControllerState.from_dict(json.loads(json.dumps(predicting.to_dict()))) == predicting
+    # a state saved before the horizon existed (0.5.0 to 0.6.0) loads with no history
+    assert ControllerState.from_dict({"knob": "kl_cov_ratio", "log_ratio": -2.0, "steps": 3}).recent == ()
+
+
+# ---------------------------------------------------------------------------------------------
+# The prediction (entropy_control_horizon, entropy_control_window)
+
+PREDICTING = dataclasses.replace(SETTINGS, target=3.0, horizon=40.0, window=4)
+
+
+def _run_law(settings, entropies, sign=+1, start=0.01):
+    """Feed the law one measured H per optimizer step; the decisions and the last state."""
+    state, decisions = _state(start), []
+    for entropy in entropies:
+        decision = decide(state, entropy, 100, settings, sign)
+        state = settle(state, decision, settings, num_valid=100, reach=100)
+        decisions.append(decision)
+    return decisions, state
+
+
+def test_without_a_horizon_the_law_is_the_measured_entropys_bit_for_bit():
+    falling = [4.15, 4.1, 4.0, 3.9, 3.7, 3.4, 3.1]
+    plain, plain_state = _run_law(SETTINGS, falling)
+    zero, zero_state = _run_law(dataclasses.replace(SETTINGS, horizon=0.0, window=4), falling)
+    assert [d.ratio_in_use for d in plain] == [d.ratio_in_use for d in zero]
+    assert zero_state.recent == () and all(math.isnan(d.predicted) for d in zero)
+    assert all("entropy_predicted" not in d.figures("kl_cov_ratio", 2.0) for d in zero)
+
+
+def test_the_prediction_extrapolates_the_mean_change_over_the_window_once_it_is_full():
+    falling = [4.15, 4.14, 4.12, 4.1, 4.06, 4.0]
+    decisions, state = _run_law(PREDICTING, falling)
+    # fewer than window (4) measured steps before it: the measured H itself
+    assert [d.predicted for d in decisions[:4]] == falling[:4]
+    # then H + 40 * (H - H 4 steps before) / 4
+    assert decisions[4].predicted == pytest.approx(4.06 + 40 * (4.06 - 4.15) / 4)
+    assert decisions[5].predicted == pytest.approx(4.0 + 40 * (4.0 - 4.14) / 4)
+    assert state.recent == tuple(falling[-4:])
+    assert decisions[4].figures("kl_cov_ratio", 3.0)["entropy_predicted"] == decisions[4].predicted
+    # a fall that extrapolates below 0 is floored there (entropy is never negative): the error stays in [-1, 1]
+    steep, _ = _run_law(PREDICTING, [4.0, 3.5, 3.0, 2.5, 2.0])
+    assert steep[-1].predicted == 0.0 and steep[-1].error == 1.0
+
+
+@pytest.mark.parametrize("sign", [+1, -1])
+def test_a_fast_fall_above_the_target_strengthens_the_method_where_the_measured_entropy_weakens_it(sign):
+    falling = [4.15, 4.1, 4.0, 3.9, 3.7]  # every H above the target 3.0, the last falling 0.1125 per step
+    plain, _ = _run_law(dataclasses.replace(PREDICTING, horizon=0.0), falling, sign)
+    predicted, _ = _run_law(PREDICTING, falling, sign)
+    weaker, stronger = (math.log(d.ratio_in_use / 0.01) * sign for d in (plain[-1], predicted[-1]))
+    assert weaker < 0 < stronger  # sign +1: a larger ratio is stronger; sign -1 (80/20): a smaller one
+
+
+def test_at_rest_the_prediction_reads_the_measured_entropy():
+    flat = [3.5] * 6
+    plain, _ = _run_law(dataclasses.replace(PREDICTING, horizon=0.0), flat)
+    predicted, _ = _run_law(PREDICTING, flat)
+    assert [d.ratio_in_use for d in plain] == [d.ratio_in_use for d in predicted]
+    assert predict_entropy(3.5, (3.5,) * 4, PREDICTING) == 3.5
+
+
+def test_a_step_without_valid_tokens_adds_nothing_to_the_history():
+    state = dataclasses.replace(_state(0.01), recent=(4.0, 3.9))
+    decision = decide(state, math.nan, 0, PREDICTING, +1)
+    assert math.isnan(decision.predicted) and decision.error == 0.0
+    assert settle(state, decision, PREDICTING, num_valid=0, reach=0).recent == (4.0, 3.9)
 
 
 def test_measure_entropy_is_the_exact_mean_over_valid_tokens():
@@ -154,6 +224,12 @@ def test_a_bad_target_is_refused_with_its_key(target, message):
     ((1.5, 0.1, 10.0, 1e-5, 2.0), r"entropy_control_max_ratio must be finite and in \(0, 1\]"),
     ((1.5, 0.1, 10.0, 0.05, 0.05), "entropy_control_min_ratio must be below entropy_control_max_ratio"),
     ((None, "0.1", 10.0, 1e-5, 0.05), "entropy_control_ki"),  # checked with the controller off too
+    ((1.5, 0.1, 10.0, 1e-5, 0.05, -1.0), "entropy_control_horizon must be finite and >= 0"),
+    ((1.5, 0.1, 10.0, 1e-5, 0.05, math.inf), "entropy_control_horizon must be finite and >= 0"),
+    ((1.5, 0.1, 10.0, 1e-5, 0.05, 40.0, 0), "entropy_control_window must be a whole number of optimizer steps >= 1"),
+    ((1.5, 0.1, 10.0, 1e-5, 0.05, 40.0, 2.5), "entropy_control_window must be a whole number"),
+    ((1.5, 0.1, 10.0, 1e-5, 0.05, 40.0, True), "entropy_control_window must be a whole number"),
+    ((None, 0.1, 10.0, 1e-5, 0.05, 0.0, "8"), "entropy_control_window"),  # checked with the controller off too
 ])
 def test_bad_gains_and_bounds_are_refused_with_their_keys(args, message):
     with pytest.raises(ValueError, match=message):
@@ -208,6 +284,7 @@ def _compose(mode: str, overrides: list[str], *, route: str = "config_name"):
 def test_the_knobs_take_a_plain_override_and_reach_the_actor_config(mode, route):
     config = _compose(mode, [f"{PL}entropy_target=1.5", f"{PL}entropy_control_ki=0.2", f"{PL}entropy_control_kp=0.5",
                              f"{PL}entropy_control_min_ratio=0.001", f"{PL}entropy_control_max_ratio=0.3",
+                             f"{PL}entropy_control_horizon=40", f"{PL}entropy_control_window=4",
                              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"], route=route)
     assert driver.check_trainer_config(config) == mode
     from verl.utils.config import omega_conf_to_dataclass
@@ -215,7 +292,8 @@ def test_the_knobs_take_a_plain_override_and_reach_the_actor_config(mode, route)
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)  # what verl's validate_config and workers build
     assert type(actor.policy_loss) is CLASSES[mode]
     control = MODES[mode].read_settings(actor).entropy_control
-    assert control == EntropyControlSettings(target=1.5, ki=0.2, kp=0.5, min_ratio=0.001, max_ratio=0.3)
+    assert control == EntropyControlSettings(target=1.5, ki=0.2, kp=0.5, min_ratio=0.001, max_ratio=0.3, horizon=40.0,
+                                             window=4)
 
 
 BAD = [("entropy_target", "0", r"entropy_target must be a finite number of nats > 0 \(or null: no controller\), got 0"),
@@ -223,7 +301,9 @@ BAD = [("entropy_target", "0", r"entropy_target must be a finite number of nats 
        ("entropy_target", "'1.5'", "got '1.5'"), ("entropy_control_ki", "-1", "entropy_control_ki must be"),
        ("entropy_control_kp", "inf", "entropy_control_kp must be"),
        ("entropy_control_max_ratio", "2", "entropy_control_max_ratio must be"),
-       ("entropy_control_min_ratio", "0.9", "must be below entropy_control_max_ratio")]
+       ("entropy_control_min_ratio", "0.9", "must be below entropy_control_max_ratio"),
+       ("entropy_control_horizon", "-5", "entropy_control_horizon must be"),
+       ("entropy_control_window", "0", "entropy_control_window must be")]
 
 
 @pytest.mark.parametrize("route", ["config_name", "target"])

@@ -88,12 +88,14 @@ def test_readme_knob_defaults_are_the_packaged_configs_and_verls():
                 "entropy_target": ["null" if kl.entropy_target is None else kl.entropy_target],
                 "entropy_control_ki": [kl.entropy_control_ki, kl.entropy_control_kp],
                 "entropy_control_min_ratio": [clip.entropy_control_min_ratio, clip.entropy_control_max_ratio,
-                                              high.entropy_control_min_ratio, high.entropy_control_max_ratio]}
+                                              high.entropy_control_min_ratio, high.entropy_control_max_ratio],
+                "entropy_control_horizon": [kl.entropy_control_horizon, kl.entropy_control_window]}
     for name in ("entropy_target", "entropy_control_ki", "entropy_control_kp", "entropy_control_min_ratio",
-                 "entropy_control_max_ratio"):  # the controller's defaults: the same in the three configs
+                 "entropy_control_max_ratio", "entropy_control_horizon", "entropy_control_window"):  # the controller's defaults: the same in the three configs
         assert kl[name] == clip[name], name
-    assert (kl.entropy_target, kl.entropy_control_ki, kl.entropy_control_kp) == (
-        high.entropy_target, high.entropy_control_ki, high.entropy_control_kp)
+    assert (kl.entropy_target, kl.entropy_control_ki, kl.entropy_control_kp, kl.entropy_control_horizon,
+            kl.entropy_control_window) == (high.entropy_target, high.entropy_control_ki, high.entropy_control_kp,
+                                           high.entropy_control_horizon, high.entropy_control_window)
     rows = _readme_knob_rows()
     for key, values in expected.items():
         (cells,) = [cells for cells in rows.values() if f"`{key}`" in cells[1]]

@@ -98,6 +98,10 @@ DEFAULT_ENTROPY_TOP_RATIO = 0.2
 #: (HOW_IT_WORKS.md, "The law"; revised from 0.05 / 2.0 after the learning miniature, LEARNING.md).
 DEFAULT_ENTROPY_CONTROL_KI = 0.1
 DEFAULT_ENTROPY_CONTROL_KP = 10.0
+#: 0: the error reads the measured entropy (0.5.0's law); > 0 optimizer steps: the entropy extrapolated that
+#: far ahead along its trend over ``entropy_control_window`` steps (:mod:`.entropy_control`).
+DEFAULT_ENTROPY_CONTROL_HORIZON = 0.0
+DEFAULT_ENTROPY_CONTROL_WINDOW = 8
 #: Bounds of the controlled ratio, per mode: KL-Cov's and Clip-Cov's around the papers' 2e-4 and 2e-3 (20x
 #: below the smaller, 25x above the larger, at the ratio-units warning); the 80/20 rule's from 1% of the tokens
 #: to all of them (1 = vanilla: the mode cannot lower entropy further).
@@ -190,6 +194,8 @@ def read_entropy_control(policy_loss: Any, bounds: tuple[float, float]) -> Optio
         _field(policy_loss, "entropy_control_kp", DEFAULT_ENTROPY_CONTROL_KP),
         _field(policy_loss, "entropy_control_min_ratio", bounds[0]),
         _field(policy_loss, "entropy_control_max_ratio", bounds[1]),
+        _field(policy_loss, "entropy_control_horizon", DEFAULT_ENTROPY_CONTROL_HORIZON),
+        _field(policy_loss, "entropy_control_window", DEFAULT_ENTROPY_CONTROL_WINDOW),
     )
 
 
@@ -299,6 +305,8 @@ class KLCovGlobalPolicyLossConfig(PolicyLossConfig):
     entropy_control_kp: float = DEFAULT_ENTROPY_CONTROL_KP
     entropy_control_min_ratio: float = DEFAULT_COV_CONTROL_BOUNDS[0]
     entropy_control_max_ratio: float = DEFAULT_COV_CONTROL_BOUNDS[1]
+    entropy_control_horizon: float = DEFAULT_ENTROPY_CONTROL_HORIZON
+    entropy_control_window: int = DEFAULT_ENTROPY_CONTROL_WINDOW
 
     def __post_init__(self):
         _parent_post_init(self, KLCovGlobalPolicyLossConfig)
@@ -325,6 +333,8 @@ class ClipCovGlobalPolicyLossConfig(PolicyLossConfig):
     entropy_control_kp: float = DEFAULT_ENTROPY_CONTROL_KP
     entropy_control_min_ratio: float = DEFAULT_COV_CONTROL_BOUNDS[0]
     entropy_control_max_ratio: float = DEFAULT_COV_CONTROL_BOUNDS[1]
+    entropy_control_horizon: float = DEFAULT_ENTROPY_CONTROL_HORIZON
+    entropy_control_window: int = DEFAULT_ENTROPY_CONTROL_WINDOW
 
     def __post_init__(self):
         _parent_post_init(self, ClipCovGlobalPolicyLossConfig)
@@ -352,6 +362,8 @@ class HighEntropyGlobalPolicyLossConfig(PolicyLossConfig):
     entropy_control_kp: float = DEFAULT_ENTROPY_CONTROL_KP
     entropy_control_min_ratio: float = DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS[0]
     entropy_control_max_ratio: float = DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS[1]
+    entropy_control_horizon: float = DEFAULT_ENTROPY_CONTROL_HORIZON
+    entropy_control_window: int = DEFAULT_ENTROPY_CONTROL_WINDOW
 
     def __post_init__(self):
         _parent_post_init(self, HighEntropyGlobalPolicyLossConfig)

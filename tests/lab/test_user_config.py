@@ -254,7 +254,8 @@ def test_the_entropy_controller_is_listed_and_diagnosed_with_the_users_settings(
     assert plan.options.entropy_control == {
         "entropy_target": 1.5, "entropy_control_ki": 0.2, "entropy_control_kp": 10.0,
         "entropy_control_min_ratio": rows["entropy_control_min_ratio"][0],
-        "entropy_control_max_ratio": rows["entropy_control_max_ratio"][0]}
+        "entropy_control_max_ratio": rows["entropy_control_max_ratio"][0],
+        "entropy_control_horizon": 0.0, "entropy_control_window": 8}
     from verl_klcov_global.lab.diagnose import _actor_config
     from verl_klcov_global.modes import MODES
 

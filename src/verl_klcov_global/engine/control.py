@@ -4,7 +4,8 @@
 mode's settings carry ``entropy_control``; the law itself is :mod:`verl_klcov_global.entropy_control`.
 
 Where the state lives: in the engine's optimizer, as the entry :data:`STATE_KEY` of its first parameter
-group (a plain dict: the controlled knob's name, the integral ``ln r``, the steps controlled). So:
+group (a plain dict: the controlled knob's name, the integral ``ln r``, the steps controlled and, with a
+prediction horizon, the last measured entropies). So:
 
 * one state per engine: ``diagnose`` and a fused actor/ref worker hold several engines in one process, and
   each trains with its own optimizer (a reference engine has none and never trains);
