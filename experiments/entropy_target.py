@@ -6,17 +6,25 @@ runs the learning miniature of :mod:`.learning` (verl's trainer loop in-process,
 with the entropy controller on, at two targets and at micro-batch sizes 1 and 4, plus ``vanilla`` at both
 sizes (its float noise between the sizes is the floor the controlled pairs are compared with). The
 fixed-knob runs of the same miniature (:mod:`.learning`, ``docs/learning_cpu.json``: the same code path
-with the controller off, which is 0.4.1's bit for bit) are drawn beside them.
+with the controller off, which is 0.4.1's bit for bit) are drawn beside them, and so is the knob's authority:
+KL-Cov and Clip-Cov with the ratio fixed at the controller's upper bound from the first step (micro-batch
+size 4), the strongest the controller could run them.
 
 Settings (:data:`CONTROL`), fixed before the runs: the targets 1.5 and 3.0 nats (the miniature starts at
-ln 64 = 4.16 and vanilla collapses to about 0.2); the product's default gains; bounds [0.001, 1] for every
-mode, since the miniature's knobs live at its own scale (a minibatch of 256 tokens: its fixed-knob runs use
-ratio 0.1, and 1/256 = 0.004 is the quota floor); the starting values are the fixed-knob runs' knobs
-(``kl_cov_ratio`` 0.1, ``clip_cov_ratio`` 0.1 with the window (0, 5), ``entropy_top_ratio`` 0.2). This is the
-study's second attempt: the first, with the gains 0.5.0 had first (``ki`` 0.05, ``kp`` 2.0) and anti-wind-up
-on the integral alone, did not hold any target (``docs/entropy_target_cpu_attempt1.json``, LEARNING.md); the
-gains (``ki`` 0.1, ``kp`` 10) and the anti-wind-up on the ratio in use were revised from that attempt's
-diagnosis before these runs, and not after them.
+ln 64 = 4.16 and vanilla collapses to about 0.2); the product's default gains (``ki`` 0.1, ``kp`` 10); bounds
+[0.001, 1] for every mode, since the miniature's knobs live at its own scale (a minibatch of 256 tokens: its
+fixed-knob runs use ratio 0.1, and 1/256 = 0.004 is the quota floor); the starting values are the fixed-knob
+runs' knobs (``kl_cov_ratio`` 0.1, ``clip_cov_ratio`` 0.1 with the window (0, 5), ``entropy_top_ratio`` 0.2);
+and, new in this third attempt, the prediction: ``entropy_control_horizon`` 40 optimizer steps (10 trainer
+steps: vanilla's collapse from 3.7 to 1.5 nats takes about 9) with the trend over ``entropy_control_window``
+8 optimizer steps (2 trainer steps of 2 minibatches x 2 epochs, so the trend compares like with like).
+
+The attempts. The first (``ki`` 0.05, ``kp`` 2, anti-wind-up on the integral alone;
+``docs/entropy_target_cpu_attempt1.json``) and the second (``ki`` 0.1, ``kp`` 10, anti-wind-up on the ratio in
+use; ``docs/entropy_target_cpu_attempt2.json``) held no target of 3.0: their law read the measured entropy,
+so it kept the method at its weakest while entropy was above the target, and these methods slow a collapse
+far more than they reverse one. The horizon and window were chosen from those two attempts' curves before
+this attempt's runs, and not after them.
 
 Reported per mode x target x micro-batch size: the mean |entropy - target| over the last 10 steps, the first
 step from which the entropy stays within 0.2 nats of the target (or never), the final reward (mean of the last
@@ -50,10 +58,15 @@ TARGETS = (1.5, 3.0)
 MICRO_BATCH_SIZES = (1, 4)
 #: The controller's settings of every controlled run (module docstring: why these).
 CONTROL = dict(entropy_control_ki=0.1, entropy_control_kp=10.0, entropy_control_min_ratio=0.001,
-               entropy_control_max_ratio=1.0)
+               entropy_control_max_ratio=1.0, entropy_control_horizon=40.0, entropy_control_window=8)
 KNOBS = {"kl_cov_global": "kl_cov_ratio", "clip_cov_global": "clip_cov_ratio",
          "high_entropy_global": "entropy_top_ratio"}
 LAST_STEPS, BAND, FINAL_STEPS = 10, 0.2, 5
+#: The knob's authority: KL-Cov and Clip-Cov with their ratio fixed at the controller's upper bound from the first
+#: step (the strongest the controller could run them), micro-batch size 4 only (a measurement of the plant, not an
+#: invariance claim). The 80/20 rule needs none: its fixed rho = 0.2 already holds 4.08 nats (docs/learning_cpu.json).
+AUTHORITY_MODES = ("kl_cov_global", "clip_cov_global")
+AUTHORITY_MICRO_BATCH_SIZE = 4
 FIXED_KNOB_JSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                                "learning_cpu.json")
 
@@ -62,12 +75,22 @@ def run_key(mode: str, target: Optional[float], micro_batch_size: int) -> str:
     return f"{mode}/target{target:g}/mbs{micro_batch_size}" if target is not None else f"{mode}/mbs{micro_batch_size}"
 
 
+def key_of(run: RunConfig) -> str:
+    """A run's key in the JSON: :func:`run_key`, or ``<mode>/upper_bound/mbs<b>`` for an authority run."""
+    if run.entropy_target is None and run.loss_mode in AUTHORITY_MODES:
+        return f"{run.loss_mode}/upper_bound/mbs{run.micro_batch_size}"
+    return run_key(run.loss_mode, run.entropy_target, run.micro_batch_size)
+
+
 def planned_runs(steps: int) -> list[RunConfig]:
     """vanilla at both sizes, then every mode x target x size with the controller on."""
     base = replace(BASE, steps=steps, **CONTROL)
     runs = [replace(base, loss_mode="vanilla", micro_batch_size=b) for b in MICRO_BATCH_SIZES]
     runs += [replace(base, loss_mode=m, entropy_target=t, micro_batch_size=b)
              for m in MODES for t in TARGETS for b in MICRO_BATCH_SIZES]
+    upper = CONTROL["entropy_control_max_ratio"]
+    runs += [replace(base, loss_mode=m, micro_batch_size=AUTHORITY_MICRO_BATCH_SIZE, **{KNOBS[m]: upper})
+             for m in AUTHORITY_MODES]
     return runs
 
 
@@ -83,7 +106,7 @@ def _run_one(run: RunConfig, *, model_path: str, work_root: str) -> dict:
 
     from .learning_task import write_dataset
 
-    key = run_key(run.loss_mode, run.entropy_target, run.micro_batch_size)
+    key = key_of(run)
     run_dir = os.path.join(work_root, key.replace("/", "-"))  # no "=": the paths go into Hydra overrides
     os.makedirs(run_dir, exist_ok=True)
     with quiet_verl():
@@ -97,7 +120,8 @@ def _run_one(run: RunConfig, *, model_path: str, work_root: str) -> dict:
 def record(result: RunResult, key: str, seconds: float) -> dict:
     """A run's record: entropy, reward and (controlled) the controller's figures per trainer step."""
     run = result.config
-    out = {"key": key, "mode": run.loss_mode, "target": run.entropy_target,
+    out = {"key": key, "mode": run.loss_mode, "target": run.entropy_target, "fixed_ratio": (
+               getattr(run, KNOBS[run.loss_mode]) if run.entropy_target is None and run.loss_mode in KNOBS else None),
            "micro_batch_size": run.micro_batch_size, "seconds": seconds,
            "entropy": [m[ENTROPY] for m in result.metrics], "reward": [m[REWARD] for m in result.metrics],
            "rollout_digest": list(result.rollout_digest)}
@@ -105,6 +129,8 @@ def record(result: RunResult, key: str, seconds: float) -> dict:
         prefix = PREFIXES[run.loss_mode]
         out["ratio_in_use"] = [m[f"{prefix}{KNOBS[run.loss_mode]}_in_use"] for m in result.metrics]
         out["entropy_measured"] = [m[f"{prefix}entropy_measured"] for m in result.metrics]
+        if run.entropy_control_horizon:
+            out["entropy_predicted"] = [m[f"{prefix}entropy_predicted"] for m in result.metrics]
         out["selected"] = [m.get(f"{prefix}selected", m.get(f"{prefix}clipped")) for m in result.metrics]
     return out
 
@@ -182,7 +208,19 @@ def summarize(study: dict) -> dict:
                 pair["within_noise"] = max(pair["ratio_to_vanilla"].values()) <= NOISE_FACTOR
                 pair["parts_at_step"] = parting_step(a["entropy"], b["entropy"], NOISE_FACTOR * floor["entropy"])
             pairs[f"{mode}/target{target:g}"] = pair
-    return {"floor": floor, "runs": per_run, "pairs": pairs}
+    authority = {}
+    for mode in AUTHORITY_MODES:
+        run = runs.get(f"{mode}/upper_bound/mbs{AUTHORITY_MICRO_BATCH_SIZE}")
+        if run is None:
+            continue
+        entropy = run["entropy"]
+        authority[run["key"]] = {
+            "fixed_ratio": run["fixed_ratio"], "entropy_end": entropy[-1],
+            "fall_last_10": entropy[-LAST_STEPS - 1] - entropy[-1],
+            "first_step_below": {f"{t:g}": next((i + 1 for i, h in enumerate(entropy) if h < t), None)
+                                 for t in TARGETS},
+            "final_reward": _final(run["reward"]), "seconds": run["seconds"]}
+    return {"floor": floor, "runs": per_run, "pairs": pairs, "authority": authority}
 
 
 def _cell(value, spec: str) -> str:
@@ -209,6 +247,12 @@ def format_report(study: dict) -> str:
         lines.append(f"  {key:28s} entropy {p['entropy']:.2e} ({ratio.get('entropy', math.nan):.3g}x)  reward "
                      f"{p['reward']:.2e} ({ratio.get('reward', math.nan):.3g}x)  ln(ratio) {p['ratio_in_use']:.2e}  "
                      f"rollouts {rollouts}{parted}")
+    if summary.get("authority"):
+        lines.append("the knob's authority: the ratio fixed at the controller's upper bound from step 1")
+    for key, a in summary.get("authority", {}).items():
+        below = ", ".join(f"below {t} from step {s if s else '-'}" for t, s in a["first_step_below"].items())
+        lines.append(f"  {key:36s} ratio {a['fixed_ratio']:g}: end H {a['entropy_end']:.3f}, fell {a['fall_last_10']:.3f} "
+                     f"over the last {LAST_STEPS} steps, {below}; final reward {a['final_reward']:.3f}")
     return "\n".join(lines)
 
 
@@ -236,6 +280,12 @@ def plot(study: dict, path: str) -> None:
                 steps = range(1, len(curve["entropy"]) + 1)
                 ax_h.plot(steps, curve["entropy"], color="0.2", ls=ls, lw=1.0, label=f"fixed knob, mbs {size}")
                 ax_r.plot(steps, curve["reward"], color="0.2", ls=ls, lw=1.0, label=f"fixed knob, mbs {size}")
+            strongest = runs.get(f"{mode}/upper_bound/mbs{size}")
+            if strongest:
+                steps = range(1, len(strongest["entropy"]) + 1)
+                label = f"{KNOBS[mode]} fixed at {strongest['fixed_ratio']:g}, mbs {size}"
+                ax_h.plot(steps, strongest["entropy"], color="tab:orange", ls=":", lw=1.6, label=label)
+                ax_r.plot(steps, strongest["reward"], color="tab:orange", ls=":", lw=1.6, label=label)
             for target in TARGETS:
                 run = runs.get(run_key(mode, target, size))
                 if not run:
@@ -265,7 +315,8 @@ def plot(study: dict, path: str) -> None:
         f"responses per step, {cfg['prompts_per_step'] // cfg['mini_batch_prompts']} minibatches x {cfg['ppo_epochs']} "
         f"epochs, {cfg['optimizer']} lr {cfg['lr']}; ki {control['entropy_control_ki']}, kp "
         f"{control['entropy_control_kp']}, bounds [{control['entropy_control_min_ratio']}, "
-        f"{control['entropy_control_max_ratio']}]; starts: kl_cov_ratio {cfg['kl_cov_ratio']}, clip_cov_ratio "
+        f"{control['entropy_control_max_ratio']}],\nhorizon {control.get('entropy_control_horizon', 0):g} over a "
+        f"window of {control.get('entropy_control_window', 1)} optimizer steps; starts: kl_cov_ratio {cfg['kl_cov_ratio']}, clip_cov_ratio "
         f"{cfg['clip_cov_ratio']}, entropy_top_ratio {cfg['entropy_top_ratio']}", fontsize=11)
     save_figure(fig, path, dpi=80)
 
@@ -283,7 +334,7 @@ def run_study(runs: Sequence[RunConfig], study: dict, *, jobs: int, json_path: O
     to ``study`` and saved to ``json_path`` at once (what makes a rerun resume)."""
     from .learning_task import build_learning_model
 
-    todo = [r for r in runs if run_key(r.loss_mode, r.entropy_target, r.micro_batch_size) not in study["runs"]]
+    todo = [r for r in runs if key_of(r) not in study["runs"]]
     progress(f"{len(todo)} runs to do ({len(runs) - len(todo)} already in the JSON), {jobs} job(s)")
     if not todo:
         return study

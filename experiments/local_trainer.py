@@ -92,6 +92,8 @@ class RunConfig:
     entropy_control_kp: float = 10.0
     entropy_control_min_ratio: Optional[float] = None
     entropy_control_max_ratio: Optional[float] = None
+    entropy_control_horizon: float = 0.0   # the plugin's defaults: no prediction
+    entropy_control_window: int = 8
     # A global mode's prepass_layout ("infer", the plugin's default, is not written into the config).
     prepass_layout: str = "infer"
 
@@ -209,6 +211,9 @@ def controller_overrides(run: RunConfig) -> list[str]:
     knobs = {"entropy_target": run.entropy_target, "entropy_control_ki": run.entropy_control_ki,
              "entropy_control_kp": run.entropy_control_kp, "entropy_control_min_ratio": run.entropy_control_min_ratio,
              "entropy_control_max_ratio": run.entropy_control_max_ratio}
+    if run.entropy_control_horizon:  # written only when set, so runs without it compose as before
+        knobs.update(entropy_control_horizon=run.entropy_control_horizon,
+                     entropy_control_window=run.entropy_control_window)
     return out + [f"+{policy}.{key}={value!r}" for key, value in knobs.items() if value is not None]
 
 
