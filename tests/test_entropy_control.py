@@ -153,7 +153,7 @@ def test_without_a_horizon_the_law_is_the_measured_entropys_bit_for_bit():
     plain, plain_state = _run_law(SETTINGS, falling)
     zero, zero_state = _run_law(dataclasses.replace(SETTINGS, horizon=0.0, window=4), falling)
     assert [d.ratio_in_use for d in plain] == [d.ratio_in_use for d in zero]
-    assert zero_state.recent == () and all(math.isnan(d.predicted) for d in zero)
+    assert zero_state.recent == () and all(d.predicted is None for d in zero)
     assert all("entropy_predicted" not in d.figures("kl_cov_ratio", 2.0) for d in zero)
 
 
@@ -192,7 +192,7 @@ def test_at_rest_the_prediction_reads_the_measured_entropy():
 def test_a_step_without_valid_tokens_adds_nothing_to_the_history():
     state = dataclasses.replace(_state(0.01), recent=(4.0, 3.9))
     decision = decide(state, math.nan, 0, PREDICTING, +1)
-    assert math.isnan(decision.predicted) and decision.error == 0.0
+    assert decision.predicted is None and decision.error == 0.0
     assert settle(state, decision, PREDICTING, num_valid=0, reach=0).recent == (4.0, 3.9)
 
 

@@ -117,7 +117,7 @@ class ControlDecision:
 
     ``entropy``: ``H`` (nan without valid tokens); ``num_valid``: the tokens ``H`` averages over the group;
     ``error``: ``e`` (0 without valid tokens); ``integral``: ``u'``; ``ratio_in_use``: the ratio the step's
-    selection uses; ``predicted``: ``Ĥ`` with a horizon (nan without one, or without valid tokens).
+    selection uses; ``predicted``: ``Ĥ`` with a horizon (None without one, or without valid tokens).
     """
 
     entropy: float
@@ -125,14 +125,14 @@ class ControlDecision:
     error: float
     integral: float
     ratio_in_use: float
-    predicted: float = math.nan
+    predicted: Optional[float] = None
 
     def figures(self, knob: str, target: float) -> dict[str, float]:
         """The step's controller figures, for logging (names without a prefix); no NaN."""
         figures = {"entropy_target": target, f"{knob}_in_use": self.ratio_in_use}
         if self.num_valid:
             figures["entropy_measured"] = self.entropy
-        if not math.isnan(self.predicted):
+        if self.predicted is not None:
             figures["entropy_predicted"] = self.predicted
         return figures
 
@@ -236,12 +236,12 @@ def predict_entropy(entropy: float, recent: tuple[float, ...], settings: Entropy
 def decide(state: ControllerState, entropy: float, num_valid: int, settings: EntropyControlSettings,
            sign: int) -> ControlDecision:
     """Step 2-3 of the law: the integral ``u'`` and the ratio in use, from the measured ``H`` (module docstring)."""
-    predicted = predict_entropy(entropy, state.recent, settings) if num_valid else math.nan
-    error = relative_error(settings.target, predicted) if num_valid else 0.0
+    predicted = predict_entropy(entropy, state.recent, settings) if num_valid else None
+    error = relative_error(settings.target, predicted) if predicted is not None else 0.0
     integral = _clamp_log(state.log_ratio + sign * settings.ki * error, settings)
     ratio_in_use = math.exp(_clamp_log(integral + sign * settings.kp * error, settings))
     return ControlDecision(entropy=entropy, num_valid=num_valid, error=error, integral=integral,
-                           ratio_in_use=ratio_in_use, predicted=predicted if settings.horizon else math.nan)
+                           ratio_in_use=ratio_in_use, predicted=predicted if settings.horizon else None)
 
 
 def settle(state: ControllerState, decision: ControlDecision, settings: EntropyControlSettings, num_valid: int,
