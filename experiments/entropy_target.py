@@ -16,7 +16,7 @@ ln 64 = 4.16 and vanilla collapses to about 0.2); the product's default gains (`
 fixed-knob runs use ratio 0.1, and 1/256 = 0.004 is the quota floor); the starting values are the fixed-knob
 runs' knobs (``kl_cov_ratio`` 0.1, ``clip_cov_ratio`` 0.1 with the window (0, 5), ``entropy_top_ratio`` 0.2);
 and, new in this third attempt, the prediction: ``entropy_control_horizon`` 40 optimizer steps (10 trainer
-steps: vanilla's collapse from 3.7 to 1.5 nats takes about 9) with the trend over ``entropy_control_window``
+steps: vanilla's collapse from 3.7 to 1.5 nats takes about 10) with the trend over ``entropy_control_window``
 8 optimizer steps (2 trainer steps of 2 minibatches x 2 epochs, so the trend compares like with like).
 
 The attempts. The first (``ki`` 0.05, ``kp`` 2, anti-wind-up on the integral alone;

@@ -155,6 +155,9 @@ def test_without_a_horizon_the_law_is_the_measured_entropys_bit_for_bit():
     assert [d.ratio_in_use for d in plain] == [d.ratio_in_use for d in zero]
     assert zero_state.recent == () and all(d.predicted is None for d in zero)
     assert all("entropy_predicted" not in d.figures("kl_cov_ratio", 2.0) for d in zero)
+    # a history left by an earlier run with a horizon is dropped, so a horizon set again starts a fresh trend
+    stale = dataclasses.replace(_state(0.01), recent=(4.0, 3.9))
+    assert settle(stale, decide(stale, 3.5, 100, SETTINGS, +1), SETTINGS, 100, 100).recent == ()
 
 
 def test_the_prediction_extrapolates_the_mean_change_over_the_window_once_it_is_full():

@@ -47,7 +47,7 @@ from typing import Any, Optional
 
 from verl.workers.config.actor import PolicyLossConfig
 
-from .entropy_control import EntropyControlSettings, validate_entropy_control
+from .entropy_control import DEFAULT_WINDOW, EntropyControlSettings, validate_entropy_control
 from .selection import (
     validate_clip_cov_ratio,
     validate_clip_cov_seed,
@@ -101,7 +101,7 @@ DEFAULT_ENTROPY_CONTROL_KP = 10.0
 #: 0: the error reads the measured entropy (0.5.0's law); > 0 optimizer steps: the entropy extrapolated that
 #: far ahead along its trend over ``entropy_control_window`` steps (:mod:`.entropy_control`).
 DEFAULT_ENTROPY_CONTROL_HORIZON = 0.0
-DEFAULT_ENTROPY_CONTROL_WINDOW = 8
+DEFAULT_ENTROPY_CONTROL_WINDOW = DEFAULT_WINDOW
 #: Bounds of the controlled ratio, per mode: KL-Cov's and Clip-Cov's around the papers' 2e-4 and 2e-3 (20x
 #: below the smaller, 25x above the larger, at the ratio-units warning); the 80/20 rule's from 1% of the tokens
 #: to all of them (1 = vanilla: the mode cannot lower entropy further).

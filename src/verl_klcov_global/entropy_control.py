@@ -51,11 +51,14 @@ from .selection.collectives import agree_and_mean
 from .selection.knobs import POLICY_LOSS, finite_number, setting
 
 __all__ = [
-    "CONTROL_KNOBS", "ControlDecision", "ControllerState", "EntropyControlSettings", "clamp_start",
+    "CONTROL_KNOBS", "DEFAULT_WINDOW", "ControlDecision", "ControllerState", "EntropyControlSettings", "clamp_start",
     "decide", "measure_entropy", "predict_entropy", "relative_error", "settle", "validate_entropy_control",
 ]
 
 #: The controller's knobs under ``actor_rollout_ref.actor.policy_loss.`` (every mode's).
+#: The trend's window when a horizon is set and no window is given (optimizer steps; see the config classes).
+DEFAULT_WINDOW = 8
+
 CONTROL_KNOBS = ("entropy_target", "entropy_control_ki", "entropy_control_kp", "entropy_control_min_ratio",
                  "entropy_control_max_ratio", "entropy_control_horizon", "entropy_control_window")
 
@@ -76,7 +79,7 @@ class EntropyControlSettings:
     min_ratio: float
     max_ratio: float
     horizon: float = 0.0
-    window: int = 1
+    window: int = DEFAULT_WINDOW
 
     def agreed(self) -> dict[str, float]:
         """The knobs every data-parallel rank must hold the same values of (their ``policy_loss`` names)."""
@@ -160,7 +163,7 @@ def _window(value: Any) -> int:
 
 
 def validate_entropy_control(target: Any, ki: Any, kp: Any, min_ratio: Any, max_ratio: Any, horizon: Any = 0.0,
-                             window: Any = 1) -> Optional[EntropyControlSettings]:
+                             window: Any = DEFAULT_WINDOW) -> Optional[EntropyControlSettings]:
     """The controller's settings, or None when ``target`` is None (the controller is off).
 
     Raises ``ValueError`` naming the ``policy_loss`` key to change: a target that is not a finite number > 0
@@ -203,7 +206,7 @@ def measure_entropy(entropy: torch.Tensor, response_mask: torch.Tensor, settings
 
     ``entropy``, ``response_mask``: (batch, response_len) of this rank's shard. Valid: in the mask with a
     finite entropy. ``H`` is nan when ``N = 0``. Ranks holding other controller knobs all raise the same
-    ``ValueError``. Exchange: one all-gather of 9 float64 per rank, one all-reduce of 1 int64.
+    ``ValueError``. Exchange: one all-gather of 10 float64 per rank, one all-reduce of 1 int64.
     """
     values = entropy.detach()
     values = values if values.is_floating_point() else values.to(torch.float64)
@@ -261,7 +264,10 @@ def settle(state: ControllerState, decision: ControlDecision, settings: EntropyC
         in_use = math.log(decision.ratio_in_use)
         if (integral < previous and in_use <= low) or (integral > previous and in_use >= high):
             integral = previous
-    recent = state.recent
-    if settings.horizon and decision.num_valid:
-        recent = (recent + (decision.entropy,))[-settings.window:]
+    if not settings.horizon:
+        recent = ()  # no history without a horizon: a horizon set again later starts its trend afresh
+    elif decision.num_valid:
+        recent = (state.recent + (decision.entropy,))[-settings.window:]
+    else:
+        recent = state.recent
     return ControllerState(knob=state.knob, log_ratio=integral, steps=state.steps + 1, recent=recent)

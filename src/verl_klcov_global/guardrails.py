@@ -304,7 +304,8 @@ def _controller_findings(config: Any, spec: ModeSpec) -> list[Finding]:
     if any(isinstance(c, (list, tuple)) and "optimizer" not in c for c in contents):
         found.append(Finding(
             WARNING, "entropy-control-not-checkpointed", f"{ACTOR}.checkpoint.save_contents",
-            "the entropy controller keeps its state (the ratio it has reached) in the actor's optimizer, and "
+            "the entropy controller keeps its state (the ratio it has reached, and with a horizon the entropy's "
+            "recent trend) in the actor's optimizer, and "
             f"'optimizer' is not in {ACTOR}.checkpoint.save_contents / load_contents: a resumed run starts the "
             f"controller again from {knob}={value:g}, as it starts the optimizer's moments again",
             f"Keep 'optimizer' in {ACTOR}.checkpoint.save_contents and load_contents (verl's default) for an exact "

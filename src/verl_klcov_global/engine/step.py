@@ -23,7 +23,8 @@ Metrics this module adds to verl's step metrics (prefix: the mode's, e.g. ``acto
 optimizer step:
 
 * the selection's figures (``Selection.figures()``: ``quota``, ``selected``, ...) and, with the entropy
-  controller on, its figures (``entropy_target``, ``entropy_measured``, ``<ratio knob>_in_use``), each as
+  controller on, its figures (``entropy_target``, ``entropy_measured``, ``<ratio knob>_in_use``; with a
+  prediction horizon ``entropy_predicted``), each as
   one ``Metric(AggregationType.MAX, value)``. They are the same on every data-parallel rank (group-wide
   figures), and verl reduces a MAX metric over the ranks by ``np.max``, which returns one of the identical
   values exactly, where MEAN's ``np.mean`` of 3, 6 or 7 identical copies can move the last bit. verl's

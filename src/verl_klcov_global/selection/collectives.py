@@ -122,7 +122,8 @@ def agree_and_mean(
             key; a dotted name is the knob's full config path (e.g. ``actor_rollout_ref.actor.clip_ratio_low``).
         group: the data-parallel group, or None.
 
-    Communication: one all-gather of ``2 * len(inputs) + len(agreed)`` float64 per rank, one
+    Communication: one all-gather of ``len(inputs) + 2 + len(agreed)`` float64 per rank (each input's
+    maximum, two counts, the agreed knobs), one
     all-reduce(SUM) of ``len(inputs)`` int64. The fixed-point scale depends only on the
     group-wide maxima and the group-wide N -- never on how tokens are spread over ranks. One
     extra host sync (are the maxima finite?) lets the usual all-finite case skip the
