@@ -22,7 +22,8 @@ included, the first optimizer step reuses verl's own log-prob pass (``prepass_re
 
 The controlled run's ratio moves every step (the controller's state, carried in the optimizer's state dict,
 must come back from the checkpoint: a controller started afresh at step 3 would log another
-``kl_cov_ratio_in_use``). Each uninterrupted run also logs every step through verl's real console and
+``kl_cov_ratio_in_use``). It runs with a prediction horizon (4 optimizer steps over a window of 4), so the
+state's history of measured entropies must come back too: the prediction acts from step 2 on. Each uninterrupted run also logs every step through verl's real console and
 tensorboard loggers (``trainer_support/restart.py --tracking``): every figure of the mode (the controller's
 included) is printed on the console and read back from the tensorboard event file, with the logged values.
 """
@@ -44,8 +45,12 @@ PREFIX = {"kl_cov_global": "actor/kl_cov/", "high_entropy_global": "actor/high_e
 #: kl_cov_global's run has the entropy controller on (the plugin's gains): the tiny model starts at about 6.22
 #: nats, near ln(vocab size) = 6.24; a target just below keeps the ratio in use above the quota floor.
 ENTROPY_TARGET = {"kl_cov_global": 6.0, "high_entropy_global": None}
+#: ... with a prediction horizon over a window of 4 optimizer steps: the trend's history (the last 4 measured
+#: entropies, in the optimizer's state dict) must come back from step 2's checkpoint too.
+HORIZON = dict(entropy_control_horizon=4.0, entropy_control_window=4)
 #: The selection (and controller) figures every step must log, besides verl's own (per mode)
-FIGURES = {"kl_cov_global": ("selected", "quota", "entropy_target", "entropy_measured", "kl_cov_ratio_in_use"),
+FIGURES = {"kl_cov_global": ("selected", "quota", "entropy_target", "entropy_measured", "entropy_predicted",
+                             "kl_cov_ratio_in_use"),
            "high_entropy_global": ("selected", "quota", "valid_tokens", "nonfinite_tokens", "entropy_threshold",
                                    "entropy_mean", "selected_entropy_mean", "selected_entropy_share")}
 VERLS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy")
@@ -69,7 +74,7 @@ def test_a_run_killed_during_step_3_and_resumed_equals_an_uninterrupted_run(tiny
     prefix = PREFIX[loss_mode]
     required = tuple(prefix + name for name in FIGURES[loss_mode]) + VERLS
     common = dict(model=tiny_model_path, steps=STEPS, loss_mode=loss_mode, cwd=REPO_ROOT, env=env,
-                  entropy_target=ENTROPY_TARGET[loss_mode])
+                  entropy_target=ENTROPY_TARGET[loss_mode], **(HORIZON if ENTROPY_TARGET[loss_mode] else {}))
     # the uninterrupted run and the run to be killed side by side (one thread each)
     tracking = str(tmp_path / "tensorboard")
     whole = restart.start(work_dir=str(tmp_path / "whole"), out=str(tmp_path / "whole-out"), resume_mode="disable",
@@ -112,6 +117,10 @@ def test_a_run_killed_during_step_3_and_resumed_equals_an_uninterrupted_run(tiny
         assert all(b < a for a, b in zip(in_use, in_use[1:])), in_use
         assert all(m[prefix + "entropy_target"] == ENTROPY_TARGET[loss_mode] < m[prefix + "entropy_measured"]
                    for m in stitched)
+        # the prediction: H itself over step 1's 4 optimizer steps (fewer than the window measured), a trend
+        # from step 2 on, the resumed step 3 included (its history came back from the checkpoint)
+        predicted = [m[prefix + "entropy_predicted"] - m[prefix + "entropy_measured"] for m in stitched]
+        assert predicted[0] == 0 and all(d != 0 for d in predicted[1:]), predicted
     compared = sum(1 for k in stitched[0] if _deterministic(k))
     assert after["rollout_digest"] == reference["rollout_digest"][2:]
     assert torch.equal(after["params"][0], reference["params"][2])   # the checkpoint loaded exactly

@@ -86,7 +86,9 @@ def _child(args) -> None:
         register_optimizer_step_post_hook(block)
 
     run = local_trainer.RunConfig(loss_mode=args.loss_mode, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
-                                  entropy_target=args.entropy_target)
+                                  entropy_target=args.entropy_target,
+                                  entropy_control_horizon=args.entropy_control_horizon,
+                                  entropy_control_window=args.entropy_control_window)
     _cpu.install_cpu_platform()
     _cpu.init_process_group_cpu(0, 1)  # a free port
     torch.set_num_threads(1)
@@ -108,18 +110,21 @@ def _real_tracking(directory: str):
 
 def start(*, model: str, work_dir: str, out: str, steps: int, loss_mode: str, resume_mode: str,
           optimizer: str = "AdamW", lr: float = 1e-3, block_after_optimizer_steps: int = 0, cwd: str,
-          env: Optional[dict] = None, tracking: str = "", entropy_target: Optional[float] = None) -> subprocess.Popen:
+          env: Optional[dict] = None, tracking: str = "", entropy_target: Optional[float] = None,
+          entropy_control_horizon: float = 0.0, entropy_control_window: int = 8) -> subprocess.Popen:
     """Start one child run in its own process group (session); stdout+stderr go to ``out/log.txt``.
 
     ``tracking``: a directory for the tensorboard event file of verl's real console+tensorboard logger;
-    ``entropy_target``: the mode's entropy controller on, with this target."""
+    ``entropy_target``: the mode's entropy controller on, with this target (and the prediction's horizon and
+    window)."""
     os.makedirs(out, exist_ok=True)
     argv = [sys.executable, "-m", "tests.trainer_support.restart", "--model", model, "--work-dir", work_dir,
             "--out", out, "--steps", str(steps), "--loss-mode", loss_mode, "--resume-mode", resume_mode,
             "--optimizer", optimizer, "--lr", repr(lr),
             "--block-after-optimizer-steps", str(block_after_optimizer_steps), "--tracking", tracking]
     if entropy_target is not None:
-        argv += ["--entropy-target", repr(entropy_target)]
+        argv += ["--entropy-target", repr(entropy_target), "--entropy-control-horizon", repr(entropy_control_horizon),
+                 "--entropy-control-window", str(entropy_control_window)]
     log = open(os.path.join(out, "log.txt"), "w")
     return subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -171,6 +176,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--block-after-optimizer-steps", type=int, default=0)
     parser.add_argument("--tracking", default="")
     parser.add_argument("--entropy-target", type=float, default=None)
+    parser.add_argument("--entropy-control-horizon", type=float, default=0.0)
+    parser.add_argument("--entropy-control-window", type=int, default=8)
     _child(parser.parse_args(argv))
 
 
