@@ -75,10 +75,15 @@ def run_key(mode: str, target: Optional[float], micro_batch_size: int) -> str:
     return f"{mode}/target{target:g}/mbs{micro_batch_size}" if target is not None else f"{mode}/mbs{micro_batch_size}"
 
 
+def authority_key(mode: str, micro_batch_size: int) -> str:
+    """The JSON key of an authority run (the ratio fixed at the controller's upper bound)."""
+    return f"{mode}/upper_bound/mbs{micro_batch_size}"
+
+
 def key_of(run: RunConfig) -> str:
-    """A run's key in the JSON: :func:`run_key`, or ``<mode>/upper_bound/mbs<b>`` for an authority run."""
+    """A run's key in the JSON: :func:`run_key`, or :func:`authority_key` for an authority run."""
     if run.entropy_target is None and run.loss_mode in AUTHORITY_MODES:
-        return f"{run.loss_mode}/upper_bound/mbs{run.micro_batch_size}"
+        return authority_key(run.loss_mode, run.micro_batch_size)
     return run_key(run.loss_mode, run.entropy_target, run.micro_batch_size)
 
 
@@ -210,7 +215,7 @@ def summarize(study: dict) -> dict:
             pairs[f"{mode}/target{target:g}"] = pair
     authority = {}
     for mode in AUTHORITY_MODES:
-        run = runs.get(f"{mode}/upper_bound/mbs{AUTHORITY_MICRO_BATCH_SIZE}")
+        run = runs.get(authority_key(mode, AUTHORITY_MICRO_BATCH_SIZE))
         if run is None:
             continue
         entropy = run["entropy"]
@@ -280,7 +285,7 @@ def plot(study: dict, path: str) -> None:
                 steps = range(1, len(curve["entropy"]) + 1)
                 ax_h.plot(steps, curve["entropy"], color="0.2", ls=ls, lw=1.0, label=f"fixed knob, mbs {size}")
                 ax_r.plot(steps, curve["reward"], color="0.2", ls=ls, lw=1.0, label=f"fixed knob, mbs {size}")
-            strongest = runs.get(f"{mode}/upper_bound/mbs{size}")
+            strongest = runs.get(authority_key(mode, size))
             if strongest:
                 steps = range(1, len(strongest["entropy"]) + 1)
                 label = f"{KNOBS[mode]} fixed at {strongest['fixed_ratio']:g}, mbs {size}"

@@ -155,11 +155,11 @@ def _gain(value: Any, key: str, example: str) -> float:
 
 
 def _window(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) and not (
-            isinstance(value, float) and value.is_integer()) or value < 1:
+    number = finite_number(value)  # None for bools, strings, NaN and inf
+    if number is None or not number.is_integer() or number < 1:
         raise ValueError(f"entropy_control_window must be a whole number of optimizer steps >= 1, got {value!r}; "
                          + setting("entropy_control_window", "8"))
-    return int(value)
+    return int(number)
 
 
 def validate_entropy_control(target: Any, ki: Any, kp: Any, min_ratio: Any, max_ratio: Any, horizon: Any = 0.0,
