@@ -1,64 +1,61 @@
 """With ``entropy_target`` unset (the controller off) every global mode updates exactly as 0.4.1 did.
 
-Compared with the figures recorded from 0.4.1 in ``tests/data/updates_0.4.1*.json`` (written by
-``tests/support/reference_updates.py`` with 0.4.1's source, commit 5810af9, before any controller code existed;
-one recording per CPU capability, the one of this machine's chosen: AVX512 on an Intel Xeon, AVX2 on an AMD
-EPYC, the same masks and per-mode figures in the last bits of their own arithmetic): per
-mode and micro-batch layout, the selection masks, every micro-batch's ``actor/pg_loss``, ``grad_norm`` and the
-sha256 of the updated parameters, bit for bit. ``vanilla``'s update is recorded too: it goes through no
-plugin code, so where it differs the machine computes floats differently from the recording machine (another
-CPU kernel, thread count or torch), and the test says so instead of blaming the plugin.
+Both sides are made here, at test time, by ``tests/support/reference_updates.py``: one fresh interpreter with
+0.4.1's source (commit 5810af9, before any controller code existed, extracted from this repository's history) and
+one with the source under test, the same script, one thread each, on this machine. Per mode and micro-batch layout
+the selection masks, every micro-batch's ``actor/pg_loss``, ``grad_norm`` and the sha256 of the updated parameters
+must be equal bit for bit. Premise: the same computation on the same inputs on one machine, whatever its CPU (no
+recording from another machine is read). ``vanilla`` goes through no plugin code: its equality shows the two
+interpreters compute floats alike, so a difference in a global mode is the plugin's.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
 from ..support import reference_updates
 
 pytestmark = pytest.mark.slow  # verl's real engine on CPU: the slow tier
 
-RECORDINGS = sorted((Path(__file__).resolve().parents[1] / "data").glob("updates_0.4.1*.json"))
+
+def _record_both(tmp_path) -> tuple[dict, dict]:
+    """(0.4.1's figures, the source under test's figures), made concurrently in two fresh interpreters."""
+    old_source = reference_updates.extract_source(reference_updates.SOURCE_0_4_1, str(tmp_path))
+    runs = {name: (reference_updates.record_in_subprocess(source, str(tmp_path / f"{name}.json")),
+                   tmp_path / f"{name}.json")
+            for name, source in (("0.4.1", old_source), ("now", str(reference_updates.REPOSITORY / "src")))}
+    figures = {}
+    for name, (process, path) in runs.items():
+        output, _ = process.communicate()
+        assert process.returncode == 0, f"recording with the {name} source failed:\n{output[-4000:]}"
+        figures[name] = json.loads(path.read_text())
+    return figures["0.4.1"], figures["now"]
 
 
-def recording_for_this_machine() -> dict:
-    """The recording made on a CPU of this machine's capability (torch's ``get_cpu_capability``); none is an
-    error that says how to record one, never a skip."""
-    recordings = [json.loads(path.read_text()) for path in RECORDINGS]
-    capability = torch.backends.cpu.get_cpu_capability()
-    found = [r for r in recordings if r["machine"]["cpu_capability"] == capability]
-    assert found, (f"no 0.4.1 recording for a {capability} CPU (recorded: "
-                   f"{[r['machine'] for r in recordings]}); record one with 0.4.1's source, see "
-                   "tests/support/reference_updates.py")
-    return found[0]
-
-
-def test_with_the_controller_off_every_update_equals_0_4_1_recorded_bit_for_bit(tiny_model_path):
-    recorded = recording_for_this_machine()
-    assert recorded["version"] == "0.4.1"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(recorded["machine"]["threads"])  # as recorded: a reduction's split depends on it
-    try:
-        now = reference_updates.record(tiny_model_path)
-    finally:
-        torch.set_num_threads(threads)
-    assert now["model_sha256"] == recorded["model_sha256"], "the tiny model builder changed: not the recorded model"
-    canaries = [key for key in recorded["updates"] if key.startswith("vanilla")]
-    assert canaries and all(now["updates"][key] == recorded["updates"][key] for key in canaries), (
-        f"vanilla's update differs from the recording: this machine's float arithmetic is not the recording "
-        f"machine's ({reference_updates.machine()} now, {recorded['machine']} then), so the comparison says "
-        f"nothing about the plugin. Record this machine's with 0.4.1's source (tests/support/reference_updates.py)")
-    assert set(now["updates"]) == set(recorded["updates"])
-    differences = {key: [field for field in recorded["updates"][key]
-                         if now["updates"][key][field] != recorded["updates"][key][field]]
-                   for key in recorded["updates"]}
+def test_with_the_controller_off_every_update_equals_0_4_1_bit_for_bit(tmp_path):
+    old, now = _record_both(tmp_path)
+    assert old["version"] == "0.4.1", f"the extracted source ran as {old['version']}, not 0.4.1"
+    assert now["version"] != "0.4.1"
+    assert now["model_sha256"] == old["model_sha256"], "the tiny model builder changed: not 0.4.1's model"
+    assert set(now["updates"]) == set(old["updates"])
+    canaries = [key for key in old["updates"] if key.startswith("vanilla")]
+    assert canaries and all(now["updates"][key] == old["updates"][key] for key in canaries), (
+        "vanilla's update differs between two interpreters on one machine: the comparison says nothing about the "
+        f"plugin ({now['machine']} against {old['machine']})")
+    differences = {key: [field for field in old["updates"][key] if now["updates"][key][field] != old["updates"][key][field]]
+                   for key in old["updates"]}
     assert not any(differences.values()), differences
     selected = {key: [bin(int(mask["bits"], 16)).count("1") for mask in update["masks"]]
-                for key, update in recorded["updates"].items() if update["masks"]}
-    assert all(count > 0 for counts in selected.values() for count in counts)  # not a comparison of empty masks
-    print(f"\ncontroller off: {len(recorded['updates'])} updates equal 0.4.1's recorded masks, per-micro-batch "
-          f"pg_loss, grad_norm and parameter digests bit for bit (selected tokens: {selected})")
+                for key, update in old["updates"].items() if update["masks"]}
+    assert len(selected) == 6 and all(count > 0 for counts in selected.values() for count in counts)  # real masks
+    print(f"\ncontroller off: {len(old['updates'])} updates equal 0.4.1's (made here, {now['machine']['cpu']}, "
+          f"{now['machine']['cpu_capability']}) in masks, per-micro-batch pg_loss, grad_norm and parameter digests "
+          f"bit for bit (selected tokens: {selected})")
+
+
+def test_a_checkout_without_the_history_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(reference_updates, "REPOSITORY", tmp_path)  # no .git here
+    with pytest.raises(reference_updates.HistoryMissing, match="clone the repository with its history"):
+        reference_updates.extract_source(reference_updates.SOURCE_0_4_1, str(tmp_path))

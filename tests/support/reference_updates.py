@@ -1,38 +1,45 @@
-"""Updates recorded from verl-klcov-global 0.4.1, to show that a later version with its new features off
-changes nothing (``tests/engine/test_controller_off.py``).
+"""Updates of a frozen minibatch, made by whichever plugin source is imported, to show that a later version with its
+new features off changes nothing against 0.4.1 (``tests/engine/test_controller_off.py``).
 
-:func:`record` runs, on verl's real FSDP engine (CPU, fp32, the lab's SGD engine), one optimizer update of
-a frozen minibatch per (loss mode, micro-batch layout): ``vanilla`` (the canary: it shows whether this
-machine's arithmetic is the recording machine's) and the three global modes, each in 1 and in 4 static
-micro-batches. It returns, per update, what must stay bit-identical:
+:func:`record` runs, on verl's real FSDP engine (CPU, fp32, the lab's SGD engine), one optimizer update of a frozen
+minibatch per (loss mode, micro-batch layout): ``vanilla`` (the canary: it goes through no plugin code) and the three
+global modes, each in 1 and in 4 static micro-batches. It returns, per update, what must stay bit-identical:
 
 * ``masks``: each optimizer step's selection mask, as the hex of its bits (row-major) and its shape;
 * ``pg_loss``: ``actor/pg_loss`` of every micro-batch, ``grad_norm``, as ``float.hex`` (exact);
 * ``params``: the sha256 of the updated parameters (float64, sorted-key order, ``lab.cpu.engine_params_flat``)
   and, to read a mismatch, their sum and largest change from the initial weights as ``float.hex``.
 
-It uses only the lab API that 0.4.1 already had. Recorded with::
+It uses only the lab API that 0.4.1 already had, so the same file runs against both sources.
 
-    python -m tests.support.reference_updates tests/data/updates_0.4.1.json
+**Both sides are made on the machine that compares them** (:func:`record_in_subprocess`): 0.4.1's source is taken
+from this repository's own history (commit :data:`SOURCE_0_4_1`, extracted with ``git archive``, never checked out
+over the working tree) and put first on ``PYTHONPATH`` of a fresh interpreter; the source under test runs the same
+command with its own ``src/``. Same machine, same torch, one thread each, same inputs: the premise of bit for bit is
+"the same computation on the same inputs", true on any CPU. (0.7.0 compared with JSON files recorded on an Intel
+AVX512 and an AMD AVX2 machine; an AMD AVX512 runner matched neither, and a recording per kind of CPU fails on the
+next kind.) By hand::
 
-with 0.4.1's source (commit 5810af9) imported, one thread, which writes the JSON and the machine it ran on:
-``updates_0.4.1.json`` on an AVX512 CPU (Intel Xeon); ``updates_0.4.1.AVX2.json`` on an AVX2 one (AMD EPYC), from
-this repository's root with a worktree of 5810af9 first on the path::
-
-    git worktree add /tmp/wt-041 5810af9
-    PYTHONPATH=/tmp/wt-041/src .venv/bin/python -m tests.support.reference_updates tests/data/updates_0.4.1.AVX2.json
+    git archive 5810af9 src pyproject.toml | tar -x -C /tmp/src-0.4.1
+    PYTHONPATH=/tmp/src-0.4.1/src .venv/bin/python -m tests.support.reference_updates /tmp/updates-0.4.1.json
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
+import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
+REPOSITORY = Path(__file__).resolve().parents[2]
+#: 0.4.1's source: the last commit before any entropy-controller code (its version string reads 0.4.1).
+SOURCE_0_4_1 = "5810af934529bb1dca676668fc8bd3bac0197b15"
 MODEL_SEED = 0
 BATCH, PROMPT, RESPONSE = 16, 8, 32
 LAYOUTS = (1, 4)  # static micro-batches of 16 and of 4 rows
@@ -60,9 +67,7 @@ def actor_config(mode: str):
 
 
 def _model_digest(path: str) -> str:
-    """sha256 over the tiny model's weight file (the builder must still build the recorded model)."""
-    import os
-
+    """sha256 over the tiny model's weight file (both sources must build the same model)."""
     digest = hashlib.sha256()
     for name in sorted(os.listdir(path)):
         if name.endswith(".safetensors"):
@@ -84,7 +89,7 @@ def _hex_list(metric) -> list[str]:
 
 
 def record(model_path: str) -> dict:
-    """The recorded figures of every (mode, layout) update (see the module docstring)."""
+    """The figures of every (mode, layout) update (see the module docstring)."""
     from verl_klcov_global.lab import cpu
     from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch, one_update, static_layouts
 
@@ -129,9 +134,7 @@ def _cpu_name() -> str:
 
 def source_version() -> str:
     """The version of the plugin source that runs: the ``pyproject.toml`` beside an imported checkout's ``src/``
-    (a 0.4.1 checkout on ``PYTHONPATH``), else the installed metadata's."""
-    from pathlib import Path
-
+    (an extracted 0.4.1 source on ``PYTHONPATH``), else the installed metadata's."""
     import verl_klcov_global
 
     pyproject = Path(verl_klcov_global.__file__).resolve().parents[2] / "pyproject.toml"
@@ -142,10 +145,39 @@ def source_version() -> str:
     return verl_klcov_global.__version__
 
 
+class HistoryMissing(RuntimeError):
+    """The repository's history does not hold the 0.4.1 source (a shallow clone, an export without ``.git``)."""
+
+
+def extract_source(commit: str, into: str) -> str:
+    """``src/`` and ``pyproject.toml`` of ``commit`` from this repository's history, extracted under ``into``;
+    returns the ``src`` folder. Raises :class:`HistoryMissing` with the fix when git or the commit is absent."""
+    probe = subprocess.run(["git", "-C", str(REPOSITORY), "cat-file", "-e", f"{commit}^{{commit}}"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise HistoryMissing(
+            f"the 0.4.1 source (commit {commit[:7]}) is not in this checkout's git history ({REPOSITORY}): "
+            f"{probe.stderr.strip() or 'git failed'}. The comparison with 0.4.1 builds its reference from the "
+            "history on this machine; clone the repository with its history (not --depth), or run "
+            "`git fetch --unshallow` in a shallow clone.")
+    archive = subprocess.run(["git", "-C", str(REPOSITORY), "archive", "--format=tar", commit, "src", "pyproject.toml"],
+                             capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", into], input=archive.stdout, check=True)
+    return os.path.join(into, "src")
+
+
+def record_in_subprocess(source: str, out_json: str) -> subprocess.Popen:
+    """Starts ``python -m tests.support.reference_updates out_json`` in a fresh interpreter with ``source`` (a
+    ``src/`` folder) first on its path, one torch thread; returns the process (its output piped)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([source, str(REPOSITORY)]), OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "tests.support.reference_updates", out_json], cwd=REPOSITORY,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def main(argv: list[str]) -> None:
     from verl_klcov_global.lab.tiny import build_tiny_model
 
-    torch.set_num_threads(1)  # the tests run each update in an xdist worker with one thread
+    torch.set_num_threads(1)  # both sides with one thread: a reduction's split depends on the count
     with tempfile.TemporaryDirectory() as work:
         figures = record(build_tiny_model(f"{work}/model", seed=MODEL_SEED))
     figures.update(version=source_version(), machine=machine())
