@@ -114,6 +114,16 @@ def _xdist_worker_share():
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _company_noise_emulation():
+    """``VERL_KLCOV_EMULATE_COMPANY_NOISE=1``: this process's logits follow their micro-batch company
+    (:mod:`tests.support.company_noise`); spawned ranks and Ray processes install it themselves."""
+    from .support import company_noise
+
+    company_noise.install_if_requested()
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """A random tiny Qwen2 + tokenizer built locally (no hub), shared by the engine tests."""

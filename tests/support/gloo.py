@@ -20,6 +20,9 @@ def spawn_gloo(fn: Callable, world_size: int, *args: Any, verl_platform: bool = 
 
 
 def _gloo_rank(rank: int, world_size: int, port: int, fn: Callable, verl_platform: bool, args: tuple) -> Any:
+    from . import company_noise
+
+    company_noise.install_if_requested()
     if verl_platform:
         _cpu.install_cpu_platform()
     _cpu.init_process_group_cpu(rank, world_size, port)

@@ -76,6 +76,9 @@ def install() -> None:
     """CPU platform + gloo process groups + the ``cpu_random`` rollout [+ step records], in this process."""
     cpu_harness().install_cpu_platform()
     _patch_process_group_init()
+    from ..support import company_noise
+
+    company_noise.install_if_requested()
     from . import rollout, step_recorder
 
     rollout.register()
