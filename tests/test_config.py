@@ -212,3 +212,48 @@ def test_unsupported_strategy_suggests_only_an_upstream_verl_registers(monkeypat
     assert comparator not in lab_only and "use another loss mode" in lab_only
     monkeypatch.setitem(POLICY_LOSS_REGISTRY, comparator, object())  # where the lab registered it, it is suggested
     assert f"use loss_mode={comparator}" in unsupported_strategy_message("high_entropy_global", comparator, "x")
+
+
+# -- the common knobs, defined once (issue 40) ----------------------------------------------------------------
+
+#: Each class's own fields and their defaults as 0.7.0 wrote them out three times (beyond verl's PolicyLossConfig).
+FIELDS_0_7_0 = {
+    "KLCovGlobalPolicyLossConfig": dict(loss_mode="kl_cov_global"),
+    "ClipCovGlobalPolicyLossConfig": dict(loss_mode="clip_cov_global", clip_cov_seed=0),
+    "HighEntropyGlobalPolicyLossConfig": dict(loss_mode="high_entropy_global", entropy_top_ratio=0.2,
+                                              entropy_control_min_ratio=0.01, entropy_control_max_ratio=1.0),
+}
+COMMON_0_7_0 = dict(prepass_layout="infer", entropy_target=None, entropy_control_ki=0.1, entropy_control_kp=10.0,
+                    entropy_control_min_ratio=1e-05, entropy_control_max_ratio=0.05, entropy_control_horizon=0.0,
+                    entropy_control_window=8)
+
+
+@pytest.mark.parametrize("name", sorted(FIELDS_0_7_0))
+def test_every_mode_class_has_0_7_0s_fields_and_defaults_from_the_one_definition(name):
+    import dataclasses
+
+    from verl.workers.config.actor import PolicyLossConfig
+
+    from verl_klcov_global import config
+
+    cls = getattr(config, name)
+    assert issubclass(cls, config.GlobalModePolicyLossConfig)
+    verls = {f.name for f in dataclasses.fields(PolicyLossConfig)}
+    own = {f.name: f.default for f in dataclasses.fields(cls) if f.name not in verls or f.name == "loss_mode"}
+    assert own == {**COMMON_0_7_0, **FIELDS_0_7_0[name]}
+    assert cls.CONTROL_BOUNDS == (own["entropy_control_min_ratio"], own["entropy_control_max_ratio"])
+    instance = cls()  # the defaults validate
+    assert (instance.entropy_control_min_ratio, instance.entropy_control_max_ratio) == cls.CONTROL_BOUNDS
+
+
+@pytest.mark.parametrize("name", sorted(FIELDS_0_7_0))
+@pytest.mark.parametrize("key, value, message", [
+    ("prepass_layout", "eager", "prepass_layout must be one of"),
+    ("entropy_target", -1.0, "entropy_target"),
+    ("entropy_control_window", 0, "entropy_control_window"),
+])
+def test_every_mode_class_validates_the_common_knobs_alike(name, key, value, message):
+    from verl_klcov_global import config
+
+    with pytest.raises(ValueError, match=message):
+        getattr(config, name)(**{key: value})

@@ -43,7 +43,7 @@ Numbers are read strictly: booleans and strings are rejected, never coerced.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from verl.workers.config.actor import PolicyLossConfig
 
@@ -292,13 +292,18 @@ def _parent_post_init(config: PolicyLossConfig, cls: type) -> None:
 
 
 @dataclass
-class KLCovGlobalPolicyLossConfig(PolicyLossConfig):
-    """verl's ``PolicyLossConfig`` plus this plugin's knob, validated on construction.
+class GlobalModePolicyLossConfig(PolicyLossConfig):
+    """The knobs every global mode carries, defined once: ``prepass_layout`` and the entropy controller's seven.
 
-    Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_klcov_global.config.KLCovGlobalPolicyLossConfig``.
+    Not selected itself (its ``loss_mode`` is verl's): each mode's class derives from it, sets its own ``loss_mode``
+    and, where the controlled ratio's bounds differ from KL-Cov's and Clip-Cov's, the two bound defaults and
+    :attr:`CONTROL_BOUNDS` together. :meth:`validate_common_knobs` checks what is defined here.
     """
 
-    loss_mode: str = "kl_cov_global"
+    #: the default (min, max) of the controlled ratio, as the two fields below default (read by the controller's
+    #: validation; a subclass that changes one changes both)
+    CONTROL_BOUNDS: ClassVar[tuple[float, float]] = DEFAULT_COV_CONTROL_BOUNDS
+
     prepass_layout: str = "infer"
     entropy_target: Optional[float] = None
     entropy_control_ki: float = DEFAULT_ENTROPY_CONTROL_KI
@@ -308,18 +313,34 @@ class KLCovGlobalPolicyLossConfig(PolicyLossConfig):
     entropy_control_horizon: float = DEFAULT_ENTROPY_CONTROL_HORIZON
     entropy_control_window: int = DEFAULT_ENTROPY_CONTROL_WINDOW
 
+    def validate_common_knobs(self) -> None:
+        """``prepass_layout`` and the controller's knobs (ValueError naming the key, as the driver's check)."""
+        validate_prepass_layout(self.prepass_layout)
+        read_entropy_control(self, self.CONTROL_BOUNDS)
+
+
+@dataclass
+class KLCovGlobalPolicyLossConfig(GlobalModePolicyLossConfig):
+    """verl's ``PolicyLossConfig`` plus this plugin's knobs (:class:`GlobalModePolicyLossConfig`), validated on
+    construction.
+
+    Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_klcov_global.config.KLCovGlobalPolicyLossConfig``.
+    """
+
+    loss_mode: str = "kl_cov_global"
+
     def __post_init__(self):
         _parent_post_init(self, KLCovGlobalPolicyLossConfig)
         _require_loss_mode(self, KLCovGlobalPolicyLossConfig.loss_mode)
         validate_kl_cov_ratio(self.kl_cov_ratio)
         validate_ppo_kl_coef(self.ppo_kl_coef)
-        validate_prepass_layout(self.prepass_layout)
-        read_entropy_control(self, DEFAULT_COV_CONTROL_BOUNDS)
+        self.validate_common_knobs()
 
 
 @dataclass
-class ClipCovGlobalPolicyLossConfig(PolicyLossConfig):
-    """verl's ``PolicyLossConfig`` plus ``clip_cov_seed`` and ``prepass_layout``, validated on construction.
+class ClipCovGlobalPolicyLossConfig(GlobalModePolicyLossConfig):
+    """verl's ``PolicyLossConfig`` plus ``clip_cov_seed`` and the common knobs (:class:`GlobalModePolicyLossConfig`),
+    validated on construction.
 
     Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_klcov_global.config.ClipCovGlobalPolicyLossConfig``.
     ``clip_cov_ratio``, ``clip_cov_lb``, ``clip_cov_ub`` are verl's own fields (defaults 0.0002, 1.0, 5.0).
@@ -327,14 +348,6 @@ class ClipCovGlobalPolicyLossConfig(PolicyLossConfig):
 
     loss_mode: str = "clip_cov_global"
     clip_cov_seed: int = DEFAULT_CLIP_COV_SEED
-    prepass_layout: str = "infer"
-    entropy_target: Optional[float] = None
-    entropy_control_ki: float = DEFAULT_ENTROPY_CONTROL_KI
-    entropy_control_kp: float = DEFAULT_ENTROPY_CONTROL_KP
-    entropy_control_min_ratio: float = DEFAULT_COV_CONTROL_BOUNDS[0]
-    entropy_control_max_ratio: float = DEFAULT_COV_CONTROL_BOUNDS[1]
-    entropy_control_horizon: float = DEFAULT_ENTROPY_CONTROL_HORIZON
-    entropy_control_window: int = DEFAULT_ENTROPY_CONTROL_WINDOW
 
     def __post_init__(self):
         _parent_post_init(self, ClipCovGlobalPolicyLossConfig)
@@ -342,32 +355,27 @@ class ClipCovGlobalPolicyLossConfig(PolicyLossConfig):
         validate_clip_cov_ratio(self.clip_cov_ratio)
         validate_clip_cov_window(self.clip_cov_lb, self.clip_cov_ub)
         validate_clip_cov_seed(self.clip_cov_seed)
-        validate_prepass_layout(self.prepass_layout)
-        read_entropy_control(self, DEFAULT_COV_CONTROL_BOUNDS)
+        self.validate_common_knobs()
 
 
 @dataclass
-class HighEntropyGlobalPolicyLossConfig(PolicyLossConfig):
-    """verl's ``PolicyLossConfig`` plus ``entropy_top_ratio`` and ``prepass_layout``, validated on construction.
+class HighEntropyGlobalPolicyLossConfig(GlobalModePolicyLossConfig):
+    """verl's ``PolicyLossConfig`` plus ``entropy_top_ratio`` and the common knobs (:class:`GlobalModePolicyLossConfig`),
+    validated on construction.
 
     Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_klcov_global.config.HighEntropyGlobalPolicyLossConfig``.
     ``entropy_top_ratio`` is a fraction in (0, 1] (0.2: the 20% highest-entropy tokens keep the PPO-clip loss).
     """
 
+    CONTROL_BOUNDS: ClassVar[tuple[float, float]] = DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS
+
     loss_mode: str = "high_entropy_global"
     entropy_top_ratio: float = DEFAULT_ENTROPY_TOP_RATIO
-    prepass_layout: str = "infer"
-    entropy_target: Optional[float] = None
-    entropy_control_ki: float = DEFAULT_ENTROPY_CONTROL_KI
-    entropy_control_kp: float = DEFAULT_ENTROPY_CONTROL_KP
     entropy_control_min_ratio: float = DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS[0]
     entropy_control_max_ratio: float = DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS[1]
-    entropy_control_horizon: float = DEFAULT_ENTROPY_CONTROL_HORIZON
-    entropy_control_window: int = DEFAULT_ENTROPY_CONTROL_WINDOW
 
     def __post_init__(self):
         _parent_post_init(self, HighEntropyGlobalPolicyLossConfig)
         _require_loss_mode(self, HighEntropyGlobalPolicyLossConfig.loss_mode)
         validate_entropy_top_ratio(self.entropy_top_ratio)
-        validate_prepass_layout(self.prepass_layout)
-        read_entropy_control(self, DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS)
+        self.validate_common_knobs()
