@@ -70,36 +70,58 @@ def _logged_steps(log: str) -> dict[int, dict[str, float]]:
     return steps
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("use_v1, plugin_config, mini_batch_prompts, epochs, reused",
-                         [(True, False, PROMPTS, 1, 1.0), (False, True, MINI_BATCH_PROMPTS, EPOCHS, 0.25)],
-                         ids=["v1", "legacy"])
-def test_main_ppo_grpo_on_cpu_runs_kl_cov_global_prepass_per_minibatch(tmp_path, tiny_model_path, use_v1,
-                                                                       plugin_config, mini_batch_prompts, epochs,
-                                                                       reused):
-    optimizer_steps_per_step = epochs * PROMPTS // mini_batch_prompts
-    rows_per_rank = mini_batch_prompts * N // WORKERS
-    train_file = write_dataset(str(tmp_path / "train.parquet"), n_prompts=2 * PROMPTS)
-    record_dir = tmp_path / "steps"
+def _run_main_ppo(work_dir, tiny_model_path, *, use_v1: bool, plugin_config: bool, mini_batch_prompts: int,
+                  epochs: int, train_file=None) -> dict:
+    """One ``main_ppo`` GRPO run with ``kl_cov_global`` in ``work_dir``; its console log, logged steps, the workers'
+    per-step records and its train file."""
+    train_file = train_file or write_dataset(str(work_dir / "train.parquet"), n_prompts=2 * PROMPTS)
+    record_dir = work_dir / "steps"
     record_dir.mkdir()
     env = subprocess_env(**{step_recorder.RECORD_DIR_ENV: str(record_dir)})
     argv = main_ppo_argv(
-        model_path=tiny_model_path, train_file=train_file, out_dir=str(tmp_path), use_v1=use_v1,
+        model_path=tiny_model_path, train_file=train_file, out_dir=str(work_dir), use_v1=use_v1,
         plugin_config=plugin_config, n_workers=WORKERS, prompts_per_step=PROMPTS, responses_per_prompt=N,
         mini_batch_prompts=mini_batch_prompts, ppo_epochs=epochs, steps=STEPS, kl_cov_ratio=RATIO,
     )
     # Only the entry point may load the plugin: no module list or external_lib names it.
     assert env["VERL_USE_EXTERNAL_MODULES"] == CPU_PLUGIN_MODULE
     assert not any("external_lib" in arg or "verl_klcov_global" in arg for arg in argv if not plugin_config)
-
-    proc = subprocess.run(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.run(argv, cwd=work_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=600)
-    (tmp_path / "main_ppo.log").write_text(proc.stdout)
+    (work_dir / "main_ppo.log").write_text(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-6000:]
+    return {"log": proc.stdout, "logged": _logged_steps(proc.stdout), "records": step_recorder.read(str(record_dir)),
+            "train_file": train_file}
+
+
+#: the legacy run: ``--config-name=kl_cov_global``, 2 minibatches x 2 epochs
+LEGACY = dict(use_v1=False, plugin_config=True, mini_batch_prompts=MINI_BATCH_PROMPTS, epochs=EPOCHS)
+
+
+@pytest.fixture(scope="module")
+def legacy_run(tmp_path_factory, tiny_model_path):
+    """The legacy run, made once: its own test and the reproducibility test read it."""
+    return _run_main_ppo(tmp_path_factory.mktemp("legacy"), tiny_model_path, **LEGACY)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_v1, plugin_config, mini_batch_prompts, epochs, reused",
+                         [(True, False, PROMPTS, 1, 1.0), (False, True, MINI_BATCH_PROMPTS, EPOCHS, 0.25)],
+                         ids=["v1", "legacy"])
+def test_main_ppo_grpo_on_cpu_runs_kl_cov_global_prepass_per_minibatch(request, tmp_path, tiny_model_path, use_v1,
+                                                                       plugin_config, mini_batch_prompts, epochs,
+                                                                       reused):
+    optimizer_steps_per_step = epochs * PROMPTS // mini_batch_prompts
+    rows_per_rank = mini_batch_prompts * N // WORKERS
+    if use_v1:
+        run = _run_main_ppo(tmp_path, tiny_model_path, use_v1=use_v1, plugin_config=plugin_config,
+                            mini_batch_prompts=mini_batch_prompts, epochs=epochs)
+    else:
+        run = request.getfixturevalue("legacy_run")
+    logged, records = run["logged"], run["records"]
 
     # -- the steps finished and their kl_cov metrics are in the trainer's log -----------------------
-    logged = _logged_steps(proc.stdout)
-    assert sorted(logged) == list(range(1, STEPS + 1)), proc.stdout[-3000:]
+    assert sorted(logged) == list(range(1, STEPS + 1)), run["log"][-3000:]
     for step, metrics in logged.items():
         for name in KL_COV_METRICS:
             assert f"actor/kl_cov/{name}" in metrics, (step, name, sorted(metrics))
@@ -108,7 +130,6 @@ def test_main_ppo_grpo_on_cpu_runs_kl_cov_global_prepass_per_minibatch(tmp_path,
         assert metrics["actor/kl_cov/prepass_reused"] == reused, (step, metrics["actor/kl_cov/prepass_reused"])
 
     # -- inside the workers: one prepass per optimizer step (minibatch x epoch), on every rank ------
-    records = step_recorder.read(str(record_dir))
     assert sorted(records) == list(range(WORKERS)), records
     for rank, rank_records in records.items():
         assert len(rank_records) == STEPS * optimizer_steps_per_step, (rank, rank_records)
@@ -153,36 +174,22 @@ _VARYING_KEY = re.compile(r"(^|/)(timing_s|timing_per_token_ms|perf)/|seconds$|_
 
 
 @pytest.mark.slow
-def test_two_identical_main_ppo_runs_log_identical_metrics(tmp_path, tiny_model_path):
-    """The reproducible CPU trainer path: the same vanilla ``main_ppo`` command run twice (legacy trainer,
-    2 FSDP2 ranks, 2 steps of 2 minibatches x 2 epochs) logs the same rollouts' scores and lengths and
-    the same actor metrics, bit for bit as printed; only timings and memory differ. The rollout's
-    reproducibility comes from ``data.seed`` and ``rollout.full_determinism=True`` (``cpu_random``)."""
-    train_file = write_dataset(str(tmp_path / "train.parquet"), n_prompts=2 * PROMPTS)
-    runs = []
-    for run in ("a", "b"):
-        out_dir = tmp_path / run
-        out_dir.mkdir()
-        argv = main_ppo_argv(
-            model_path=tiny_model_path, train_file=train_file, out_dir=str(out_dir), use_v1=False,
-            plugin_config=False, n_workers=WORKERS, prompts_per_step=PROMPTS, responses_per_prompt=N,
-            mini_batch_prompts=MINI_BATCH_PROMPTS, ppo_epochs=EPOCHS, steps=STEPS, kl_cov_ratio=RATIO,
-            loss_mode="vanilla",
-        )
-        proc = subprocess.run(argv, cwd=out_dir, env=subprocess_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=600)
-        (out_dir / "main_ppo.log").write_text(proc.stdout)
-        assert proc.returncode == 0, proc.stdout[-6000:]
-        logged = _logged_steps(proc.stdout)
-        assert sorted(logged) == list(range(1, STEPS + 1)), proc.stdout[-3000:]
-        runs.append({step: {k: v for k, v in metrics.items() if not _VARYING_KEY.search(k)}
-                     for step, metrics in logged.items()})
-
-    first, second = runs
+def test_two_identical_main_ppo_runs_log_identical_metrics(legacy_run, tmp_path, tiny_model_path):
+    """The reproducible CPU trainer path: the legacy ``kl_cov_global`` command (2 FSDP2 ranks, 2 steps of 2
+    minibatches x 2 epochs, the plugin's prepass and its reuse of verl's log-prob pass) run a second time logs the
+    same rollouts' scores and lengths and the same actor and selection metrics, bit for bit as printed; only timings
+    and memory differ. The same command on the same machine: the same computation on the same inputs. The rollout's
+    reproducibility comes from ``data.seed`` and ``rollout.full_determinism=True`` (``cpu_random``). (Until 0.7.0 two
+    vanilla runs; the first run is now the legacy test's, so the check costs one run, not two.)"""
+    second = _run_main_ppo(tmp_path, tiny_model_path, train_file=legacy_run["train_file"], **LEGACY)
+    first, second = ({step: {k: v for k, v in metrics.items() if not _VARYING_KEY.search(k)}
+                      for step, metrics in run["logged"].items()} for run in (legacy_run, second))
+    assert sorted(first) == sorted(second) == list(range(1, STEPS + 1))
     for step in first:
         assert sorted(first[step]) == sorted(second[step]), step
-        # not vacuous: the rollout's outcome and the actor update are among the compared metrics
-        for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        # not vacuous: the rollout's outcome, the actor update and the selection are among the compared metrics
+        for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy",
+                    "actor/kl_cov/cov_threshold", "actor/kl_cov/selected"):
             assert key in first[step], (step, key, sorted(first[step]))
         differing = {k: (first[step][k], second[step][k]) for k in first[step]
                      if first[step][k] != second[step][k] and not (math.isnan(first[step][k]) and math.isnan(second[step][k]))}
