@@ -25,7 +25,10 @@ from verl_klcov_global.lab.experiment import (
     EngineSpec, MicroBatchLayout, dynamic_layouts, frozen_minibatch, max_abs_diff, one_update, static_layouts,
 )
 
+from verl_klcov_global.layout import fit_width
+
 from ..selection.test_clip_cov import upstream_clip_cov_selection
+from ..support.selections import recorded_selections
 
 pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
 
@@ -49,7 +52,8 @@ def actor_config(mode, knobs=ALL_FIT, seed=None):
 
 @contextlib.contextmanager
 def upstream_selection_recorded(records: list):
-    """Record, for every upstream clip_cov call, its candidate set and quota (verl's own code on its inputs)."""
+    """Record, for every upstream clip_cov call, its candidate set, quota and the log-probs it selected on (verl's
+    own code on its inputs)."""
     original = core_algos.POLICY_LOSS_REGISTRY["clip_cov"]
 
     def recording(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
@@ -58,7 +62,7 @@ def upstream_selection_recorded(records: list):
             advantages, log_prob.detach(), old_log_prob, response_mask, config.policy_loss.clip_cov_ratio,
             config.policy_loss.clip_cov_lb, config.policy_loss.clip_cov_ub, config.clip_ratio_low,
             config.clip_ratio_high)
-        records.append((candidates, clip_num))
+        records.append((candidates, clip_num, log_prob.detach().clone()))
         return original(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
 
     core_algos.POLICY_LOSS_REGISTRY["clip_cov"] = recording
@@ -68,28 +72,45 @@ def upstream_selection_recorded(records: list):
         core_algos.POLICY_LOSS_REGISTRY["clip_cov"] = original
 
 
+def whole_minibatch_spec(model_path, rows, **kwargs):
+    """An engine whose log-prob inference layout (the prepass's) is one forward of the whole ``rows``-row minibatch,
+    static or dynamic: the micro-batch company of upstream's reference, one training micro-batch of the same rows."""
+    return EngineSpec(model_path, infer_micro_batch_size_per_gpu=rows, infer_max_token_len_per_gpu=rows * SEQ,
+                      **kwargs)
+
+
 def upstream_on_one_micro_batch(spec, batch, knobs=ALL_FIT):
-    """verl's clip_cov on the whole minibatch in one micro-batch; asserts it was deterministic there."""
+    """verl's clip_cov on the whole minibatch in one micro-batch; asserts it was deterministic there. Returns its
+    outcome, candidates and the log-probs it selected on."""
     records = []
     with upstream_selection_recorded(records):
         outcome = one_update(spec, batch, actor_config("clip_cov", knobs), static_layouts(len(batch), 1)[0])
-    (candidates, clip_num), = records
+    (candidates, clip_num, log_probs), = records
     assert 0 < int(candidates.sum()) <= clip_num, "every candidate must fit the quota for a deterministic reference"
-    return outcome, candidates
+    return outcome, candidates, log_probs
 
 
 def check_same_update_as_upstream(spec, batch, layouts, report):
-    """clip_cov_global at each layout vs verl's clip_cov on one micro-batch; noise = vanilla(1) vs vanilla(layout)."""
-    reference, upstream_mask = upstream_on_one_micro_batch(spec, batch)
+    """clip_cov_global at each layout vs verl's clip_cov on one micro-batch; noise = vanilla(1) vs vanilla(layout).
+
+    Premise of the mask (bit for bit on any CPU): ``spec``'s inference layout is the whole minibatch in one forward
+    (:func:`whole_minibatch_spec`), the rows and company of upstream's one training micro-batch, so the prepass's
+    log-probs are upstream's (the same forward; eval mode and no autograd change nothing without dropout), checked
+    here first. With the prepass in other company (e.g. 16-row forwards) a token's covariance could cross the
+    window's bound by the last bits on some CPUs."""
+    reference, upstream_mask, upstream_log_probs = upstream_on_one_micro_batch(spec, batch)
     control_one = one_update(spec, batch, actor_config("vanilla"), static_layouts(len(batch), 1)[0])
     noises = []
     for layout in layouts:
-        ours = one_update(spec, batch, actor_config("clip_cov_global"), layout)
+        with recorded_selections() as records:
+            ours = one_update(spec, batch, actor_config("clip_cov_global"), layout)
         control = one_update(spec, batch, actor_config("vanilla"), layout)
         noise = max_abs_diff(control_one.params, control.params)
         assert noise > 0, "no noise floor: the two layouts did not differ at all, the comparison proves nothing"
+        (record,) = records
+        assert torch.equal(record.log_probs, fit_width(upstream_log_probs, record.log_probs.shape[1]))  # premise
         (mask,) = ours.masks
-        assert torch.equal(mask, upstream_mask.to(mask.device))  # the same selected set
+        assert torch.equal(mask, upstream_mask.to(mask.device))  # the same selected set, bit for bit
         (figures,) = ours.figures
         assert figures["clipped"] == figures["candidates"] == int(mask.sum())
         difference = max_abs_diff(ours.params, reference.params)
@@ -110,7 +131,7 @@ def padded_batch(tiny_model_path):
 def test_all_candidates_clipped_dynamic_micro_batches_equal_verl_clip_cov_on_one(tiny_model_path, padded_batch,
                                                                                    capsys):
     """fsdp, padded, dynamic 2 and 8 micro-batches (~90 s, 7 updates): global == upstream(1); upstream(8) is not."""
-    spec = EngineSpec(tiny_model_path)
+    spec = whole_minibatch_spec(tiny_model_path, BATCH)
     layouts = [dynamic_layouts(BATCH, SEQ, count)[1] for count in (2, 8)]
     report = []
     reference, noises = check_same_update_as_upstream(spec, padded_batch, layouts, report)
@@ -132,8 +153,8 @@ def test_all_candidates_clipped_static_micro_batches_equal_verl_clip_cov_on_one(
                                                                                 capsys):
     """Static micro-batches: fsdp padded (64 rows, ~40 s), fsdp2 packed (32 rows: packed attention on CPU is
     quadratic in the micro-batch's tokens, ~40 s)."""
-    spec = EngineSpec(tiny_model_path, strategy=strategy, use_remove_padding=packed)
     rows = 32 if packed else BATCH
+    spec = whole_minibatch_spec(tiny_model_path, rows, strategy=strategy, use_remove_padding=packed)
     batch = frozen_minibatch(spec, 1, batch_size=rows, prompt_len=PROMPT, response_len=RESPONSE) if packed \
         else padded_batch
     report = []
@@ -145,15 +166,22 @@ def test_all_candidates_clipped_static_micro_batches_equal_verl_clip_cov_on_one(
 
 @pytest.mark.slow
 def test_sampled_masks_do_not_depend_on_micro_batching_or_earlier_calls(tiny_model_path, padded_batch, capsys):
-    """Quota 16 of ~250 candidates (~40 s): the same draw at 1, 8 dynamic and 4 static micro-batches."""
-    spec = EngineSpec(tiny_model_path)
+    """Quota 16 of ~250 candidates (~40 s): the same draw at 1, 8 dynamic and 4 static micro-batches.
+
+    Premise of the masks (bit for bit on any CPU): the prepass's inference layout is one forward of the 64 rows
+    whether the training layout is dynamic (a token budget of 64 rows) or static (64 rows per forward), so its
+    log-probs are one computation in all three (checked); the engine's default (a budget of 4,096 tokens: 3
+    forwards, vs 4 static forwards of 16 rows) would put the rows in other company for the static layout."""
+    spec = whole_minibatch_spec(tiny_model_path, BATCH)
     one, eight = dynamic_layouts(BATCH, SEQ, 8)
     layouts = [one, eight, static_layouts(BATCH, 4)[1]]
     torch.manual_seed(123)
     outcomes = []
-    for layout in layouts:
-        torch.rand(17)  # whatever the process-wide RNG holds must not matter
-        outcomes.append(one_update(spec, padded_batch, actor_config("clip_cov_global", SAMPLED), layout))
+    with recorded_selections() as records:
+        for layout in layouts:
+            torch.rand(17)  # whatever the process-wide RNG holds must not matter
+            outcomes.append(one_update(spec, padded_batch, actor_config("clip_cov_global", SAMPLED), layout))
+    assert all(torch.equal(r.log_probs, records[0].log_probs) for r in records[1:])  # the premise
     masks = [o.masks[0] for o in outcomes]
     assert all(torch.equal(m, masks[0]) for m in masks[1:])
     figures = outcomes[0].figures[0]
@@ -176,24 +204,35 @@ def _dp_update(rank, world_size, model_path, batch_file, layout):
     batch = torch.load(batch_file, weights_only=False)
     shard = _tiny.shard_for_rank(batch, rank, world_size)
     spec = EngineSpec(model_path)
-    outcomes = {mode: one_update(spec, shard, actor_config(mode, SAMPLED), layout)
-                for mode in ("vanilla", "clip_cov_global")}
-    return {mode: (o.params, o.masks[0] if o.masks else None) for mode, o in outcomes.items()}
+    with recorded_selections() as records:
+        outcomes = {mode: one_update(spec, shard, actor_config(mode, SAMPLED), layout)
+                    for mode in ("vanilla", "clip_cov_global")}
+    (record,) = records
+    return dict({mode: (o.params, o.masks[0] if o.masks else None) for mode, o in outcomes.items()},
+                log_probs=record.log_probs)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_sampled_mask_on_two_dp_ranks_is_the_single_rank_mask(tiny_model_path, padded_batch, tmp_path, capsys):
-    """2 gloo ranks vs 1 process, the sampled case (~60 s)."""
-    from ..support.gloo import spawn_gloo
+    """2 gloo ranks vs 1 process, the sampled case (~60 s).
+
+    Premise of the mask (bit for bit on any CPU): static training micro-batches of 8 rows leave the prepass in the
+    static inference layout of 16 rows, 4 forwards in one process and 2 per rank over its contiguous half: the same
+    rows in the same company, with a rank's torch threads (checked: the log-probs are equal); the selection and the
+    draw do not depend on the split. (Dynamic micro-batches would form the inference ones from 64 rows vs 32.)"""
+    from ..support.gloo import spawn_gloo, threads_of_a_rank
 
     spec = EngineSpec(tiny_model_path)
-    _, layout = dynamic_layouts(BATCH, SEQ, 8)
-    single = {mode: one_update(spec, padded_batch, actor_config(mode, SAMPLED), layout)
-              for mode in ("vanilla", "clip_cov_global")}
+    layout = MicroBatchLayout("static 8", use_dynamic_bsz=False, micro_batch_size_per_gpu=8)  # 8 on 1 rank, 4 on 2
+    with threads_of_a_rank(2), recorded_selections() as records:
+        single = {mode: one_update(spec, padded_batch, actor_config(mode, SAMPLED), layout)
+                  for mode in ("vanilla", "clip_cov_global")}
     batch_file = tmp_path / "batch.pt"
     torch.save(padded_batch, batch_file)
     rank0, rank1 = spawn_gloo(_dp_update, 2, tiny_model_path, str(batch_file), layout)
+    (record,) = records
+    assert torch.equal(torch.cat([rank0["log_probs"], rank1["log_probs"]]), record.log_probs)  # the premise
     mask = single["clip_cov_global"].masks[0]
     assert 0 < int(mask.sum()) < single["clip_cov_global"].figures[0]["candidates"]
     assert torch.equal(torch.cat([rank0["clip_cov_global"][1], rank1["clip_cov_global"][1]]), mask)

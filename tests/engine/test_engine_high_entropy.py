@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import pytest
 import torch
@@ -38,6 +39,8 @@ from verl_klcov_global.modes import CLIP_COV, HIGH_ENTROPY, KL_COV
 from verl_klcov_global.selection import high_entropy_quota
 
 from ..support.gloo import spawn_gloo
+from ..support.selections import recorded_selections, reselect, selection_margin
+from .test_reuse import ROW_COMPANY_NOISE
 
 pytestmark = pytest.mark.slow  # verl's real engine on CPU: the slow tier
 
@@ -209,7 +212,7 @@ def _paper_objective_loss(records, config, model_output, data, dp_group=None):
     mask = torch.zeros(response_mask.numel(), dtype=torch.bool)
     mask[response_mask.flatten().nonzero().squeeze(1)[chosen]] = True
     mask = mask.reshape(response_mask.shape)
-    records.append(mask)
+    records.append((mask, entropy))
     data = data.copy()
     data["advantages"] = padded(data["advantages"]) * mask  # ppo_loss pads every field it reads: padded stays
     return ppo_loss(config, model_output, data, dp_group)
@@ -225,23 +228,32 @@ def _update(spec, batch, layout, loss_function):
 
 
 def test_8_micro_batches_give_the_papers_objective_on_the_whole_minibatch(tiny_model_path, capsys):
-    """With entropy_coeff, the KL loss and rollout IS weights on: all verl's, over every token."""
+    """With entropy_coeff, the KL loss and rollout IS weights on: all verl's, over every token.
+
+    Premise of the mask (bit for bit on any CPU): the engine's inference layout is one forward of the 32 rows, the
+    rows and company of the paper's one training micro-batch, so the prepass's eval entropy is the training
+    forward's (the same forward; eval mode and no autograd change nothing without dropout), checked first. With the
+    prepass in other company (two 16-row forwards) a token's entropy could cross the top-k boundary by the last
+    bits on some CPUs."""
     from verl.workers.utils.losses import ppo_loss
 
-    spec = EngineSpec(tiny_model_path)
+    spec = EngineSpec(tiny_model_path, infer_micro_batch_size_per_gpu=BATCH)
     batch = _batch(spec, 2, with_rollout_is_weights=True, with_ref_log_prob=True, calculate_entropy=True)
     one, eight = static_layouts(BATCH, 8)
     extra = dict(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
     records = []
     reference = _update(spec, batch, one, functools.partial(functools.partial(_paper_objective_loss, records),
                                                             config=actor_config_for("vanilla", **extra)))
-    ours = one_update(spec, batch, actor_config_for("high_entropy_global", **extra), eight)
+    with recorded_selections() as selections:
+        ours = one_update(spec, batch, actor_config_for("high_entropy_global", **extra), eight)
     control_one = _update(spec, batch, one, functools.partial(ppo_loss, config=actor_config_for("vanilla", **extra)))
     control_eight = one_update(spec, batch, actor_config_for("vanilla", **extra), eight).params
     noise = max_abs_diff(control_one, control_eight)
-    (paper_mask,) = records
+    (paper_mask, paper_entropy), = records
+    (selection,) = selections
     assert noise > 0
-    assert torch.equal(ours.masks[0], paper_mask)  # the prepass's eval entropy ranks as the training forward's
+    assert torch.equal(selection.entropy, fit_width(paper_entropy, selection.entropy.shape[1]))  # the premise
+    assert torch.equal(ours.masks[0], paper_mask)  # the paper's top-k of that entropy, bit for bit
     assert max_abs_diff(ours.params, reference) <= NOISE_FACTOR * noise, (max_abs_diff(ours.params, reference), noise)
     effect = max_abs_diff(ours.params, control_eight)
     assert effect > 100 * noise, "the mask did not move the update beyond the noise: the test proves nothing"
@@ -254,12 +266,14 @@ def test_8_micro_batches_give_the_papers_objective_on_the_whole_minibatch(tiny_m
 
 
 def _sp_run(spec, batch, attention):
-    """One update per mode with the Ulysses test attention; what the prepass selected."""
+    """One update per mode with the Ulysses test attention; what the prepass selected, and on which statistics."""
     layout = MicroBatchLayout("static 4", use_dynamic_bsz=False, micro_batch_size_per_gpu=4)
-    with attention() as counts:
+    with attention() as counts, recorded_selections() as records:
         outcomes = {mode: one_update(spec, batch, actor_config_for(mode), layout) for mode in MODES}
+    (record,) = records
     return dict(params={m: o.params for m, o in outcomes.items()}, mask=outcomes["high_entropy_global"].masks[0],
-                figures=outcomes["high_entropy_global"].figures[0], all_to_all=counts.all_to_all)
+                figures=outcomes["high_entropy_global"].figures[0], all_to_all=counts.all_to_all,
+                log_probs=record.log_probs, entropy=record.entropy, record=record)
 
 
 def _dp_then_sp_updates(rank, world_size, model_path, dp_batch_file, dp_layout, sp_batch_file):
@@ -271,25 +285,43 @@ def _dp_then_sp_updates(rank, world_size, model_path, dp_batch_file, dp_layout, 
     dp = {mode: one_update(EngineSpec(model_path), shard, actor_config_for(mode), dp_layout) for mode in MODES}
     sp = _sp_run(UlyssesEngineSpec(model_path, sp_size=2), torch.load(sp_batch_file, weights_only=False),
                  cpu_varlen_attention)
+    sp.pop("record")  # its minibatch stays here: the test has the same rows
     return dict(dp={mode: (o.params, o.masks[0] if o.masks else None, o.figures[0] if o.figures else None)
                     for mode, o in dp.items()}, sp=sp)
 
 
 @pytest.mark.distributed
 def test_dp_2_and_ulysses_sp_2_give_the_single_process_mask_figures_and_update(tiny_model_path, tmp_path, capsys):
+    """DP 2 vs 1, premise (bit for bit on any CPU): static training micro-batches of 4 rows leave the prepass in the
+    static inference layout of 16 rows: 2 forwards in one process, 1 per rank over its contiguous half, i.e. the
+    same rows in the same company, with a rank's torch threads; the selection's sums are exact group-wide, so the
+    mask and every figure are the single process's bit for bit. (Dynamic micro-batches would form the inference
+    micro-batch from 32 rows vs 16.)
+
+    SP 2 vs 1, premise: Ulysses shards every sequence, so the two forwards are not one computation and a token's
+    fp32 entropy may differ in the last bits on some CPUs. What holds on every CPU: each side's mask and figures are
+    exactly the single-process selection on the statistics its own prepass computed (SP counted nothing twice); the
+    counts are equal; the masks are equal because the gap at the top-k boundary exceeds twice the largest entropy
+    difference between the two sides (measured; the float figures then differ only through those statistics); the
+    update is within NOISE_FACTOR x the control's difference."""
+    from ..support.gloo import threads_of_a_rank
     from ..support.ulysses import UlyssesEngineSpec, cpu_varlen_attention
 
-    # DP 2 vs 1: dynamic micro-batches of 4 sequences (8 on one rank, 4 per rank on two)
+    # DP 2 vs 1: static micro-batches of 4 sequences (8 on one rank, 4 per rank on two)
     spec = EngineSpec(tiny_model_path)
-    _, dp_layout = dynamic_layouts(BATCH, SEQ, 8)
+    dp_layout = MicroBatchLayout("static 4", use_dynamic_bsz=False, micro_batch_size_per_gpu=4)
     dp_batch = _batch(spec, 4)
-    dp_single = {mode: one_update(spec, dp_batch, actor_config_for(mode), dp_layout) for mode in MODES}
+    with threads_of_a_rank(2):
+        dp_single = {mode: one_update(spec, dp_batch, actor_config_for(mode), dp_layout) for mode in MODES}
     # SP 2 vs 1: packed, the test varlen attention on both sides
     sp_spec = UlyssesEngineSpec(tiny_model_path, sp_size=1)
     with cpu_varlen_attention():
-        sp_batch = frozen_minibatch(sp_spec, 5, batch_size=16, prompt_len=PROMPT, response_len=RESPONSE,
+        # seed 10: a gap of 75 float32 spacings at the top-k boundary of the entropy (the tiny model's entropies
+        # crowd near ln 512; seed 5 had 7, against SP's 1-2 spacings of difference under the test's emulation)
+        sp_batch = frozen_minibatch(sp_spec, 10, batch_size=16, prompt_len=PROMPT, response_len=RESPONSE,
                                     vary_lengths=True, micro_batch_size_per_gpu=4)
-    sp_single = _sp_run(sp_spec, sp_batch, cpu_varlen_attention)
+    with threads_of_a_rank(2):
+        sp_single = _sp_run(sp_spec, sp_batch, cpu_varlen_attention)
     files = tmp_path / "dp.pt", tmp_path / "sp.pt"
     torch.save(dp_batch, files[0])
     torch.save(sp_batch, files[1])
@@ -297,39 +329,49 @@ def test_dp_2_and_ulysses_sp_2_give_the_single_process_mask_figures_and_update(t
 
     ours_dp = [rank["dp"]["high_entropy_global"] for rank in (rank0, rank1)]
     width = dp_single["high_entropy_global"].masks[0].shape[1]
+    # bit for bit by construction (the DP premise above): the mask, and the figures as exact group-wide sums
     assert torch.equal(torch.cat([fit_width(mask, width) for _, mask, _ in ours_dp]),
                        dp_single["high_entropy_global"].masks[0])
-    # the figures are exact group-wide sums: the two ranks report them bit for bit; against one process, bit for
-    # bit where this CPU's per-row entropies do not depend on the rows beside them in a micro-batch (the Intel
-    # runner), else the counts exactly and the means to the entropies' own last bits (an AMD EPYC runner:
-    # entropy_mean 6.2256925447 vs ...52, tests/engine/test_reuse.py's ROW_COMPANY_NOISE)
-    assert ours_dp[0][2] == ours_dp[1][2]
-    single_figures = dp_single["high_entropy_global"].figures[0]
-    assert ours_dp[0][2].keys() == single_figures.keys()
-    for name, value in single_figures.items():
-        if isinstance(value, int) or float(value).is_integer():
-            assert ours_dp[0][2][name] == value, name
-        else:
-            assert ours_dp[0][2][name] == pytest.approx(value, rel=1e-6), name
+    assert ours_dp[0][2] == ours_dp[1][2] == dp_single["high_entropy_global"].figures[0]
     assert torch.equal(ours_dp[0][0], ours_dp[1][0])  # the ranks agree on the update
     dp_control = max_abs_diff(rank0["dp"]["vanilla"][0], dp_single["vanilla"].params)
     dp_ours = max_abs_diff(ours_dp[0][0], dp_single["high_entropy_global"].params)
     assert dp_control > 0 and dp_ours <= NOISE_FACTOR * dp_control, (dp_ours, dp_control)
 
+    record = sp_single["record"]
+    assert record.result.selection.mask.equal(sp_single["mask"])
     for rank in (rank0, rank1):
         sp = rank["sp"]
         assert sp["all_to_all"] > 0 and sp_single["all_to_all"] == 0  # verl's Ulysses path ran, on SP 2 only
-        assert torch.equal(sp["mask"], sp_single["mask"]) and sp["figures"] == sp_single["figures"]
+        # the SP side's selection is the single-process one on the statistics its own forward computed, exactly
+        again = record.mode.select_minibatch(sp["log_probs"], record.data, record.settings, None,
+                                             entropy=sp["entropy"])
+        assert torch.equal(sp["mask"], again.mask) and sp["figures"] == again.figures()
+        counts = ("quota", "selected", "valid_tokens", "nonfinite_tokens")
+        assert {k: sp["figures"][k] for k in counts} == {k: sp_single["figures"][k] for k in counts}
+        assert float((sp["entropy"] - sp_single["entropy"]).abs().max()) < ROW_COMPANY_NOISE
+        gap, drift = selection_margin(record, sp["log_probs"], sp["entropy"])
+        assert drift == 0 or gap > 2 * drift, f"the premise: top-k gap {gap:.3g} vs entropy difference {drift:.3g}"
+        assert torch.equal(sp["mask"], sp_single["mask"])  # follows from the margin
+        if drift == 0:  # the same statistics: the same figures
+            assert sp["figures"] == sp_single["figures"]
     sp_control = max_abs_diff(rank0["sp"]["params"]["vanilla"], sp_single["params"]["vanilla"])
     sp_ours = max_abs_diff(rank0["sp"]["params"]["high_entropy_global"], sp_single["params"]["high_entropy_global"])
     assert sp_control > 0 and sp_ours <= NOISE_FACTOR * sp_control, (sp_ours, sp_control)
     with capsys.disabled():
         print(f"\n[high_entropy_global] max|dtheta| / control: DP 2 vs 1 {dp_ours / dp_control:.2f}, "
-              f"SP 2 vs 1 {sp_ours / sp_control:.2f}")
+              f"SP 2 vs 1 {sp_ours / sp_control:.2f}; SP top-k gap {gap:.2e} vs entropy difference {drift:.2e}")
 
 
 def test_two_ppo_epochs_with_shuffle_select_per_optimizer_step_whatever_the_micro_batches(tiny_model_path, capsys):
-    """verl's TrainingWorker.train_mini_batch: 2 minibatches x 2 epochs, shuffled; 1 vs 4 micro-batches per step."""
+    """verl's TrainingWorker.train_mini_batch: 2 minibatches x 2 epochs, shuffled; 1 vs 4 micro-batches per step.
+
+    Premises: the first step's prepass is one computation for both micro-batchings (the same 8 rows in one
+    inference forward, the same initial weights), so its entropy and mask are bit for bit on any CPU. The later
+    steps run at weights that differ by the float noise of the earlier updates (on every CPU), so their entropies
+    differ in the last bits: each mask is exactly the selection on its own step's entropy, and the masks are equal
+    because the gap at the top-k boundary exceeds twice the largest entropy difference between the two runs
+    (measured). The update: within NOISE_FACTOR x the control's difference."""
     from verl.workers.utils.losses import ppo_loss
 
     from ..support.workers import build_training_worker
@@ -341,19 +383,31 @@ def test_two_ppo_epochs_with_shuffle_select_per_optimizer_step_whatever_the_micr
             worker = build_training_worker(tiny_model_path, micro_batch_size_per_gpu=micro)
             actor = actor_config_for(mode, ppo_mini_batch_size=mini, ppo_epochs=2, shuffle=True)
             worker.set_loss_fn(functools.partial(ppo_loss, config=actor))
+            # seed 7: gaps of at least 37 float32 spacings at every step's top-k boundary (seed 6: 4, against 1-2
+            # spacings of difference between the runs under the test's emulation of company noise)
             batch = _tiny.make_minibatch(batch_size=rows, prompt_len=PROMPT, response_len=RESPONSE, vary_lengths=True,
-                                         seed=6, global_batch_size=mini, micro_batch_size_per_gpu=micro)
+                                         seed=7, global_batch_size=mini, micro_batch_size_per_gpu=micro)
             tu.assign_non_tensor(batch, mini_batch_size=mini, epochs=2, seed=42, dataloader_kwargs={"shuffle": True})
-            masks = []
-            with observe_selections(lambda _engine, result: masks.append(result.selection.mask.clone())):
+            with recorded_selections() as records:
                 worker.train_mini_batch(batch)
-            runs[mode, micro] = (masks, _cpu.engine_params_flat(worker.engine))
-    (masks_one, ours_one), (masks_four, ours_four) = runs["high_entropy_global", mini], runs["high_entropy_global", mini // 4]
-    assert len(masks_one) == len(masks_four) == 4  # one selection per optimizer step
-    assert all(torch.equal(a, b) for a, b in zip(masks_one, masks_four))
-    assert not torch.equal(masks_one[0], masks_one[2])  # epoch 2 reshuffles: other rows, other masks
+            runs[mode, micro] = (records, _cpu.engine_params_flat(worker.engine))
+    (steps_one, ours_one) = runs["high_entropy_global", mini]
+    (steps_four, ours_four) = runs["high_entropy_global", mini // 4]
+    assert len(steps_one) == len(steps_four) == 4  # one selection per optimizer step
+    assert torch.equal(steps_one[0].entropy, steps_four[0].entropy)  # the first step: one computation
+    margins = []
+    for one, four in zip(steps_one, steps_four):
+        for step in (one, four):  # each mask is the selection on its own step's statistics
+            assert torch.equal(step.result.selection.mask, reselect(step).mask)
+        gap, drift = selection_margin(one, four.log_probs, four.entropy)
+        assert drift == 0 or gap > 2 * drift, f"the premise: top-k gap {gap:.3g} vs entropy difference {drift:.3g}"
+        assert torch.equal(one.result.selection.mask, four.result.selection.mask)  # follows from the margin
+        margins.append(gap / drift if drift else math.inf)
+    assert not torch.equal(steps_one[0].result.selection.mask, steps_one[2].result.selection.mask)  # epoch 2 reshuffles
     control = max_abs_diff(runs["vanilla", mini][1], runs["vanilla", mini // 4][1])
     ours = max_abs_diff(ours_one, ours_four)
     assert control > 0 and ours <= NOISE_FACTOR * control, (ours, control)
     with capsys.disabled():
-        print(f"\n[high_entropy_global 2 epochs shuffled, 1 vs 4 micro-batches] max|dtheta| / control {ours / control:.2f}")
+        print(f"\n[high_entropy_global 2 epochs shuffled, 1 vs 4 micro-batches] max|dtheta| / control "
+              f"{ours / control:.2f}"
+              f"; top-k gap / entropy difference per step {[f'{m:.3g}' for m in margins]}")

@@ -6,13 +6,19 @@ Parameter updates are compared against the penalty-free control's noise floor
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from verl_klcov_global.lab import tiny as _tiny
+from verl_klcov_global.layout import fit_width
 from verl_klcov_global.lab.experiment import (
-    EngineSpec, dynamic_layouts, frozen_minibatch, max_abs_diff, one_update, run_block, static_layouts,
+    EngineSpec, MicroBatchLayout, dynamic_layouts, frozen_minibatch, max_abs_diff, one_update, run_block,
+    static_layouts,
 )
+
+from ..support.selections import recorded_selections
 
 pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
 
@@ -77,16 +83,45 @@ def test_legacy_layout_with_varied_lengths(tiny_model_path):
     assert_invariant(results, [])
 
 
+@contextlib.contextmanager
+def upstream_log_probs_recorded(records: list):
+    """The log-probs every upstream kl_cov call selects on (its training forward's), in ``records``."""
+    from verl.trainer.ppo import core_algos
+
+    original = core_algos.POLICY_LOSS_REGISTRY["kl_cov"]
+
+    def recording(old_log_prob, log_prob, *args, **kwargs):
+        records.append(log_prob.detach().clone())
+        return original(old_log_prob, log_prob, *args, **kwargs)
+
+    core_algos.POLICY_LOSS_REGISTRY["kl_cov"] = recording
+    try:
+        yield
+    finally:
+        core_algos.POLICY_LOSS_REGISTRY["kl_cov"] = original
+
+
 @pytest.mark.slow
 def test_other_loss_terms_stay_intact_against_kl_cov_with_one_micro_batch(tiny_model_path):
-    """kl_cov_global over 8 micro-batches == verl's kl_cov over 1 (the reference), with entropy, KL loss, IS weights."""
-    spec = EngineSpec(tiny_model_path)
+    """kl_cov_global over 8 micro-batches == verl's kl_cov over 1 (the reference), with entropy, KL loss, IS weights.
+
+    Premise (bit for bit on any CPU): the engine's inference layout is one forward of the 64 rows, the rows and
+    company of the reference's one training micro-batch, so the prepass's log-probs are the ones upstream selects
+    on (the same forward; eval mode and no autograd change nothing without dropout), checked first; then both
+    penalise the same token. (The default budget, 3 forwards, would put the rows in other company, where the top
+    covariance could change places with the next by the last bits on some CPUs.)"""
+    spec = EngineSpec(tiny_model_path, infer_max_token_len_per_gpu=BATCH * SEQ)
     batch = frozen_minibatch(spec, 3, batch_size=BATCH, prompt_len=PROMPT, response_len=RESPONSE,
                              with_rollout_is_weights=True, with_ref_log_prob=True, calculate_entropy=True)
     one, eight = dynamic_layouts(BATCH, SEQ, 8)
     extra = dict(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
-    reference = one_update(spec, batch, actor_config_for("kl_cov", **extra), one)
-    ours = one_update(spec, batch, actor_config_for("kl_cov_global", **extra), eight)
+    upstream = []
+    with upstream_log_probs_recorded(upstream):
+        reference = one_update(spec, batch, actor_config_for("kl_cov", **extra), one)
+    with recorded_selections() as records:
+        ours = one_update(spec, batch, actor_config_for("kl_cov_global", **extra), eight)
+    (upstream_log_probs,), (record,) = upstream, records
+    assert torch.equal(record.log_probs, fit_width(upstream_log_probs, record.log_probs.shape[1]))  # the premise
     control_one = one_update(spec, batch, actor_config_for("vanilla", **extra), one)
     control_eight = one_update(spec, batch, actor_config_for("vanilla", **extra), eight)
     noise = max_abs_diff(control_one.params, control_eight.params)
@@ -114,25 +149,41 @@ def _dp_updates(rank, world_size, model_path, batch_file, layout):
     batch = torch.load(batch_file, weights_only=False)
     shard = _tiny.shard_for_rank(batch, rank, world_size)
     spec = EngineSpec(model_path)
-    outcomes = {mode: one_update(spec, shard, actor_config_for(mode), layout) for mode in ("vanilla", "kl_cov_global")}
-    return {mode: (o.params, o.masks[0] if o.masks else None) for mode, o in outcomes.items()}
+    with recorded_selections() as records:
+        outcomes = {mode: one_update(spec, shard, actor_config_for(mode), layout)
+                    for mode in ("vanilla", "kl_cov_global")}
+    out = {mode: (o.params, o.masks[0] if o.masks else None) for mode, o in outcomes.items()}
+    (record,) = records
+    return dict(out, log_probs=record.log_probs)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_dp_ranks_give_the_single_rank_mask_and_update(tiny_model_path, tmp_path, capsys):
-    from ..support.gloo import spawn_gloo
+    """Premise of the mask (bit for bit on any CPU): the single process's prepass is the ranks' computation. Static
+    training micro-batches leave the prepass in the static inference layout of 16 rows: 4 forwards of 16 rows in
+    one process, 2 per rank on two over its contiguous half, i.e. the same rows in the same micro-batches, and the
+    single process runs with a rank's torch threads; the selection itself does not depend on the split (exact
+    group-wide sums). (Dynamic micro-batches would form the inference micro-batches from 64 rows in one process and
+    from 32 per rank: other company, whose last bits move on some CPUs.) The update: within NOISE_FACTOR x the
+    control's difference between the same two settings."""
+    from ..support.gloo import spawn_gloo, threads_of_a_rank
 
     spec = EngineSpec(tiny_model_path)
-    _, layout = dynamic_layouts(BATCH, SEQ, 8)  # 8 sequences per micro-batch: 8 on 1 rank, 4 per rank on 2
+    layout = MicroBatchLayout("static 8", use_dynamic_bsz=False, micro_batch_size_per_gpu=8)  # 8 on 1 rank, 4 on 2
     ratios = []
     for seed in (0, 1):
         batch = frozen_minibatch(spec, seed, batch_size=BATCH, prompt_len=PROMPT, response_len=RESPONSE)
-        single = {mode: one_update(spec, batch, actor_config_for(mode), layout) for mode in ("vanilla", "kl_cov_global")}
+        with threads_of_a_rank(2), recorded_selections() as records:
+            single = {mode: one_update(spec, batch, actor_config_for(mode), layout)
+                      for mode in ("vanilla", "kl_cov_global")}
         batch_file = tmp_path / f"batch{seed}.pt"
         torch.save(batch, batch_file)
         rank0, rank1 = spawn_gloo(_dp_updates, 2, tiny_model_path, str(batch_file), layout)
 
+        # bit for bit by construction: the same rows in the same prepass micro-batches (see the docstring)
+        (record,) = records
+        assert torch.equal(torch.cat([rank0["log_probs"], rank1["log_probs"]]), record.log_probs)
         assert torch.equal(torch.cat([rank0["kl_cov_global"][1], rank1["kl_cov_global"][1]]),
                            single["kl_cov_global"].masks[0])
         assert torch.equal(rank0["kl_cov_global"][0], rank1["kl_cov_global"][0])  # ranks agree on the update

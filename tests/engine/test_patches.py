@@ -388,23 +388,39 @@ def _kl_cov_global_update(engine, batch, loss_function):
 
 
 def test_prepass_layout_train_matches_infer_layout_end_to_end(tiny_model_path, frozen_batch):
-    batch = _tiny.set_micro_batching(frozen_batch.copy(), use_dynamic_bsz=False, micro_batch_size_per_gpu=4)
+    """Premise of the bit-for-bit mask and step (on any CPU): the two layouts' prepasses are one computation. With
+    dynamic batching, a training token budget and a larger inference one that give verl the same number of
+    micro-batches: verl splits by that number and the rows' lengths alone (``rearrange_micro_batches``), so both
+    forward the same rows in the same micro-batches, checked here; only the key the prepass hands verl differs.
+    (Static micro-batches of 4 rows vs one of 16 would put the rows in other company, where a row's fp32 log-probs
+    may differ in the last bits on some CPUs.)"""
+    from verl.workers.engine.utils import prepare_micro_batches
+
+    ids = frozen_batch["input_ids"]
+    tokens = int(ids.offsets().diff().sum()) if ids.is_nested else int(frozen_batch["attention_mask"].sum())
+    train_budget = PROMPT + RESPONSE + tokens // 4  # 3 micro-batches of these 16 rows under either budget
+    infer_budget = train_budget + 8
+    batch = _tiny.set_micro_batching(frozen_batch.copy(), use_dynamic_bsz=True, max_token_len_per_gpu=train_budget)
+    splits = [prepare_micro_batches(_tiny.set_micro_batching(frozen_batch.copy(), use_dynamic_bsz=True,
+                                                             max_token_len_per_gpu=budget))[1]
+              for budget in (train_budget, infer_budget)]
+    assert splits[0] == splits[1] and len(splits[0]) > 1  # the premise: the same rows in the same micro-batches
     outcomes = {}
     for layout in ("train", "infer"):
         loss_function = loss_fn("kl_cov_global", kl_cov_ratio=RATIO, ppo_kl_coef=1.0, prepass_layout=layout)
         config = loss_function.keywords["config"]
         assert type(config.policy_loss) is KLCovGlobalPolicyLossConfig and global_mode_of(config) is KL_COV
         assert read_kl_cov_settings(config).prepass_layout == layout
-        engine = _cpu.build_fsdp_engine(tiny_model_path, micro_batch_size_per_gpu=4,
-                                        infer_micro_batch_size_per_gpu=16)
+        engine = _cpu.build_fsdp_engine(tiny_model_path, use_dynamic_bsz=True, max_token_len_per_gpu=train_budget,
+                                        infer_max_token_len_per_gpu=infer_budget)
         outcomes[layout] = _kl_cov_global_update(engine, batch, loss_function)
     (train_masks, train_keys, train_params), (infer_masks, infer_keys, infer_params) = outcomes["train"], \
         outcomes["infer"]
-    # the layouts really differ: training micro-batches of 4 vs the engine's inference micro-batches of 16
-    assert [k["micro_batch_size_per_gpu"] for k in train_keys] == [4]
-    assert [k["micro_batch_size_per_gpu"] for k in infer_keys] == [16]
+    # the layouts really differ: the training token budget vs the engine's inference one
+    assert [k["max_token_len_per_gpu"] for k in train_keys] == [train_budget]
+    assert [k["max_token_len_per_gpu"] for k in infer_keys] == [infer_budget]
     assert len(train_masks) == len(infer_masks) == 1 and train_masks[0].any()
-    assert torch.equal(train_masks[0], infer_masks[0])
+    assert torch.equal(train_masks[0], infer_masks[0])  # bit for bit by construction (see the docstring)
     assert torch.equal(train_params, infer_params)  # same mask, same step
 
 

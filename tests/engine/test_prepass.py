@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 
 import pytest
@@ -35,6 +36,8 @@ from verl_klcov_global.modes import KL_COV
 from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch
 
 from ..support.gloo import spawn_gloo
+from ..support.selections import Recorded, reselect, selection_margin
+from .test_reuse import ROW_COMPANY_NOISE
 
 pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
 
@@ -77,6 +80,11 @@ def _record_forwards(engine):
 
 def test_static_prepass_runs_ceil_rows_over_size_forwards_with_the_single_forward_masks(tiny_model_path,
                                                                                       thirteen_rows, monkeypatch):
+    """Premise of the masks: each size puts the rows in other micro-batch company, where a row's fp32 log-probs may
+    differ in the last bits on some CPUs. What holds on every CPU, and is checked: each mask is exactly KL-Cov's
+    selection on the log-probs its own prepass computed, those are the single forward's within company noise, and
+    the masks are the single forward's because the gap at the top-k boundary of the covariance exceeds twice its
+    largest difference from the single forward's (measured)."""
     engine = _cpu.build_fsdp_engine(tiny_model_path)
     forwards = _record_forwards(engine)
     log_probs = []
@@ -84,22 +92,29 @@ def test_static_prepass_runs_ceil_rows_over_size_forwards_with_the_single_forwar
     monkeypatch.setattr(engine_prepass, "compute_prepass_log_probs",
                         lambda *args: log_probs.append(real_compute(*args)) or log_probs[-1])
     batch = _tiny.set_micro_batching(thirteen_rows.copy(), use_dynamic_bsz=False, micro_batch_size_per_gpu=13)
-    masks, counts, drift = {}, {}, 0.0
+    records, counts, drift = {}, {}, 0.0
     for size in (16, 8, 5, 4, 1):
         _with_engine_config(engine, infer_micro_batch_size_per_gpu=size)
         forwards.clear()
         result = engine_prepass.run_prepass_and_select(engine, batch, _settings(), KL_COV)
         counts[size] = [rows for rows, _ in forwards]
         assert all(forward_only for _, forward_only in forwards)
-        masks[size] = result.selection.mask
+        records[size] = Recorded(result, batch, _settings(), KL_COV, None, log_probs[-1], None)
         drift = max(drift, float((log_probs[-1] - log_probs[0]).abs().max()))
     # ceil(13 / size) forwards, row counts differing by at most one (13 rows, size 8: 2 forwards, not 13)
     assert counts == {16: [13], 8: [7, 6], 5: [5, 4, 4], 4: [4, 3, 3, 3], 1: [1] * 13}
-    assert masks[16].sum() == result.selection.quota > 1
-    for size in counts:
-        assert torch.equal(masks[size], masks[16]), size
+    single = records[16]
+    assert single.result.selection.mask.sum() == single.result.selection.quota > 1
+    assert drift < ROW_COMPANY_NOISE
+    margins = {}
+    for size, record in records.items():
+        assert torch.equal(record.result.selection.mask, reselect(record).mask), size  # on its own log-probs
+        gap, cov_drift = selection_margin(single, record.log_probs)
+        assert cov_drift == 0 or gap > 2 * cov_drift, (size, gap, cov_drift)  # the premise, measured
+        assert torch.equal(record.result.selection.mask, single.result.selection.mask), size
+        margins[size] = gap / cov_drift if cov_drift else math.inf
     print(f"\n[static prepass, 13 rows] forwards per size {({s: len(c) for s, c in counts.items()})}, "
-          f"max |log-prob - single forward| {drift:.1e}")
+          f"max |log-prob - single forward| {drift:.1e}, top-k gap / covariance difference {margins}")
 
 
 @pytest.mark.parametrize("rows, size, expected", [(13, 8, [7, 6]), (16, 8, [8, 8]), (12, 16, [12]), (7, 3, [3, 2, 2]),

@@ -490,17 +490,25 @@ def test_workers_whose_loss_is_not_a_global_mode_keep_nothing(tiny_model_path):
 def _two_ranks(rank: int, world_size: int, model_path: str):
     import verl_klcov_global  # noqa: F401  (the patches)
 
-    outcomes, steps = [], []
-    real_run = engine_step.run_prepass_and_select
+    outcomes, steps, taken = [], [], []
+    real_run, real_take = engine_step.run_prepass_and_select, reuse.take
+
+    def take(engine, data, **kwargs):
+        taken.append(real_take(engine, data, **kwargs))
+        return taken[-1]
 
     def run(engine, data, settings, mode):
+        taken.clear()
         result = real_run(engine, data, settings, mode)
-        with reuse.disabled():  # on both ranks alike
+        with reuse.disabled(), _recording_prepass_statistics() as stats:  # on both ranks alike
             reference = real_run(engine, data, settings, mode)
+        if result.reused:  # the premise: the reused statistics are the prepass's, bit for bit
+            assert torch.equal(taken[0][0], stats[0][0])
         steps.append((result.reused, torch.equal(result.selection.mask, reference.selection.mask),
                       int(result.selection.mask.sum()), reuse.last_reason(engine)))
         return result
 
+    reuse.take = take  # prepass.py calls it through the module
     engine_step.run_prepass_and_select = run
     worker = build_training_worker(model_path, lr=0.1, clip_grad=1.0, micro_batch_size_per_gpu=8,
                                    infer_micro_batch_size_per_gpu=16)
@@ -511,13 +519,18 @@ def _two_ranks(rank: int, world_size: int, model_path: str):
         log_prob_pass(worker, shard)
         if scenario != "every row seen" and rank == 1:
             shard = _tiny.shard_for_rank(rows(22, batch_size=2 * ROWS), rank, world_size)
-        update(worker, shard, mini_batch=2 * ROWS)
+        update(worker, shard, mini_batch=2 * ROWS, shuffle=False)  # the pass's row order: see the test
         outcomes.append(steps[-1])
     return outcomes
 
 
 @pytest.mark.distributed
 def test_two_ranks_reuse_together_or_run_the_prepass_together(tiny_model_path):
+    """Premise of ``same_mask`` (bit for bit on any CPU): the update's one minibatch is each rank's shard in the
+    pass's row order (no shuffle), so the prepass forwards the same rows in the same micro-batches of 16 as verl's
+    log-prob pass: the reused statistics and the prepass's are one computation. (Shuffled, the prepass would put
+    the rows in other company, where their fp32 log-probs may differ in the last bits on some CPUs; the
+    single-process tests above check that case against the statistics each side used.)"""
     rank0, rank1 = spawn_gloo(_two_ranks, 2, tiny_model_path, verl_platform=True)
     for outcomes in (rank0, rank1):
         (reused, same_mask, selected, _), (reused_after, same_mask_after, _, _) = outcomes

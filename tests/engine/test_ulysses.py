@@ -20,11 +20,13 @@ import torch.distributed as dist
 
 from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.lab.experiment import MicroBatchLayout, frozen_minibatch, max_abs_diff, one_update
-from verl_klcov_global.layout import fit_width
+from verl_klcov_global.layout import fit_width, padded
 from verl_klcov_global.engine.step import observe_selections
 
-from ..support.gloo import spawn_gloo
+from ..support.gloo import spawn_gloo, threads_of_a_rank
+from ..support.selections import recorded_selections, selection_margin
 from ..support.ulysses import UlyssesEngineSpec, cpu_varlen_attention, varlen_attention_cpu
+from .test_reuse import ROW_COMPANY_NOISE
 
 pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
 
@@ -58,10 +60,12 @@ def _updates(spec: UlyssesEngineSpec, batch) -> dict:
             num_selected=selection.num_selected, mask=selection.mask.clone(),
         ))
 
-    with cpu_varlen_attention() as counts, observe_selections(record):
+    with cpu_varlen_attention() as counts, observe_selections(record), recorded_selections() as records:
         params = {mode: one_update(spec, batch, actor_config_for(mode), LAYOUT).params for mode in MODES}
     (selection,) = seen  # vanilla makes none, kl_cov_global one per optimizer step
-    return dict(params=params, selection=selection, kernel_heads=set(counts.kernel_heads),
+    (recorded,) = records
+    selection["log_probs"] = recorded.log_probs  # the statistics the prepass selected on
+    return dict(params=params, selection=selection, record=recorded, kernel_heads=set(counts.kernel_heads),
                 kernel_kv_heads=set(counts.kernel_kv_heads), kernel_calls=counts.kernel_calls,
                 all_to_all=counts.all_to_all)
 
@@ -71,7 +75,9 @@ def _sp_rank_updates(rank, world_size, model_path, batch_file, sp_size):
     batch = torch.load(batch_file, weights_only=False)
     dp_size = world_size // sp_size
     shard = _tiny.shard_for_rank(batch, rank // sp_size, dp_size)
-    return _updates(UlyssesEngineSpec(model_path, sp_size=sp_size), shard)
+    out = _updates(UlyssesEngineSpec(model_path, sp_size=sp_size), shard)
+    out.pop("record")  # its minibatch stays here: the test has the same rows
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +87,8 @@ def single_process(tiny_model_path):
     with cpu_varlen_attention():
         batch = frozen_minibatch(spec, SEED, batch_size=BATCH, prompt_len=PROMPT, response_len=RESPONSE,
                                  vary_lengths=True, micro_batch_size_per_gpu=MICRO_BATCH)
-    return batch, _updates(spec, batch)
+    with threads_of_a_rank(2):  # the ranks' threads (the forwards differ anyway: Ulysses shards the sequences)
+        return batch, _updates(spec, batch)
 
 
 def _padded_cat(masks: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -93,6 +100,12 @@ def _padded_cat(masks: list[torch.Tensor], width: int) -> torch.Tensor:
 @pytest.mark.parametrize("sp_size, dp_size", [(2, 1), (2, 2)], ids=["sp2-dp1", "sp2-dp2"])
 def test_ulysses_sp_gives_the_single_process_mask_counts_and_update(
         single_process, tiny_model_path, tmp_path, sp_size, dp_size, capsys):
+    """Premise of the mask: Ulysses shards every sequence, so SP 2's forward is not SP 1's computation and a token's
+    fp32 log-probs may differ in the last bits on some CPUs. What holds on every CPU, and is checked: the SP ranks'
+    masks are exactly the single-process selection on the log-probs their own prepass computed (nothing counted
+    twice: N, quota and selection are the single process's); the two sides' log-probs differ by company noise only;
+    the masks are equal because the gap at the top-k boundary of the covariance exceeds twice its largest difference
+    between the two sides (measured); the update is within NOISE_FACTOR x the control's difference."""
     batch, single = single_process
     reference = single["selection"]
     # The reference itself: no all-to-all, every head in one kernel call; the penalty acts.
@@ -121,7 +134,15 @@ def test_ulysses_sp_gives_the_single_process_mask_counts_and_update(
         assert torch.equal(out["selection"]["mask"], ranks[rank - rank % sp_size]["selection"]["mask"])
     width = reference["mask"].shape[1]
     masks = _padded_cat([ranks[d * sp_size]["selection"]["mask"] for d in range(dp_size)], width)
-    assert torch.equal(masks, reference["mask"])
+    log_probs = _padded_cat([ranks[d * sp_size]["selection"]["log_probs"] for d in range(dp_size)], width)
+    record = single["record"]
+    again = record.mode.select_minibatch(log_probs, record.data, record.settings, None)
+    assert torch.equal(masks, again.mask)  # the selection on SP's own statistics, over the whole minibatch
+    valid = padded(record.data["response_mask"]).bool()
+    assert float((log_probs - record.log_probs).abs()[valid].max()) < ROW_COMPANY_NOISE
+    gap, drift = selection_margin(record, log_probs)
+    assert drift == 0 or gap > 2 * drift, f"the premise: top-k gap {gap:.3g} vs covariance difference {drift:.3g}"
+    assert torch.equal(masks, reference["mask"])  # follows from the margin
 
     # Every rank holds the same update; kl_cov_global differs from SP 1 only as much as the control does.
     for mode in MODES:
@@ -135,7 +156,8 @@ def test_ulysses_sp_gives_the_single_process_mask_counts_and_update(
     assert penalty > 100 * control, "the penalty did not move the update beyond the noise: the test proves nothing"
     with capsys.disabled():
         print(f"\n[SP {sp_size} x DP {dp_size} vs SP 1] selected {reference['num_selected']}/{reference['num_valid']}, "
-              f"kl_cov_global/control {ours / control:.2f} (control {control:.2e}, penalty effect {penalty:.2e})")
+              f"kl_cov_global/control {ours / control:.2f} (control {control:.2e}, penalty effect {penalty:.2e}); "
+              f"top-k gap {gap:.2e} vs covariance difference {drift:.2e}")
 
 
 def test_cpu_varlen_attention_is_causal_attention_within_each_packed_sequence():

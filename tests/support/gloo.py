@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import os
+from typing import Any, Callable, Iterator
+
+import torch
 
 from verl_klcov_global.lab import cpu as _cpu
 
@@ -17,6 +21,23 @@ def spawn_gloo(fn: Callable, world_size: int, *args: Any, verl_platform: bool = 
     by name); an exception in any rank is raised here (see :func:`verl_klcov_global.lab.cpu.spawn`).
     """
     return _cpu.spawn(_gloo_rank, world_size, fn, verl_platform, args)
+
+
+def rank_threads(world_size: int) -> int:
+    """torch's thread count in each of :func:`spawn_gloo`'s ``world_size`` ranks (``lab.cpu``'s spawn sets it)."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+@contextlib.contextmanager
+def threads_of_a_rank(world_size: int) -> Iterator[None]:
+    """This process's torch threads set to a rank's (:func:`rank_threads`) inside the block: a single-process
+    reference whose forwards must be the ranks' computation (same rows, same company, same threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(rank_threads(world_size))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _gloo_rank(rank: int, world_size: int, port: int, fn: Callable, verl_platform: bool, args: tuple) -> Any:
