@@ -43,11 +43,11 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Optional, Sequence
 
 from .learning import BASE, ENTROPY, NOISE_FACTOR, PREFIXES, REWARD, MakePolicyRollout, float32_spacing
-from .local_trainer import RunConfig, RunResult, run_local
+from .local_trainer import RunConfig, RunResult, config_fields, run_local
 from .study_cli import (
     add_output_arguments, finish_study, load_pyplot, new_parser, redraw_from_json, resumed_from, run_in_jobs, save_figure,
     save_json,
@@ -101,7 +101,7 @@ def planned_runs(steps: int) -> list[RunConfig]:
 
 def study_settings(steps: int) -> dict:
     """What every run of the study shares (JSON-ready); a resumed study must match it."""
-    return {"base": asdict(replace(BASE, steps=steps)), "control": CONTROL, "targets": list(TARGETS),
+    return {"base": config_fields(replace(BASE, steps=steps)), "control": CONTROL, "targets": list(TARGETS),
             "modes": list(MODES), "micro_batch_sizes": list(MICRO_BATCH_SIZES)}
 
 

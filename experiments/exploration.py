@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 from .learning import BASE as LEARNING_BASE
 from .exploration_task import TASK, DeceptiveTask
-from .local_trainer import RunConfig, RunResult
+from .local_trainer import RunConfig, RunResult, config_fields
 from .policy_rollout import PolicyRollout
 from .study_cli import (
     add_output_arguments, finish_study, load_pyplot, new_parser, redraw_from_json, resumed_from, run_in_jobs, save_figure,
@@ -94,7 +94,7 @@ def planned_runs(seeds: Sequence[int], steps: int) -> list[dict]:
 
 def study_settings(base: RunConfig, task: DeceptiveTask = TASK) -> dict:
     """What every run of a study shares (JSON-ready); a resumed study must match it."""
-    return {"run_config": asdict(base) | {"loss_mode": None, "micro_batch_size": None, "seed": None},
+    return {"run_config": config_fields(base) | {"loss_mode": None, "micro_batch_size": None, "seed": None},
             "task": asdict(task),
             "final_steps": FINAL_STEPS, "global_size": GLOBAL_SIZE, "micro_batch_sizes": list(MICRO_BATCH_SIZES),
             "spot_check_seeds": list(SPOT_CHECK_SEEDS)}
@@ -145,8 +145,8 @@ def model_path_for(models_dir: str, seed: int) -> str:
 
 def run_one(plan: dict, models_dir: str, work_root: str, base: RunConfig = BASE, task: DeceptiveTask = TASK,
             quiet: bool = True) -> dict:
-    """Train one planned run (``base`` with the plan's mode, size, seed and steps) on ``task``; its per-step
-    record (JSON-ready)."""
+    """Train one planned run (``base`` with the plan's mode, size, seed and steps, and its
+    ``log_prob_micro_batch_size`` where the plan has one) on ``task``; its per-step record (JSON-ready)."""
     import contextlib
 
     from verl_klcov_global.lab.diagnose import quiet_verl
@@ -155,7 +155,8 @@ def run_one(plan: dict, models_dir: str, work_root: str, base: RunConfig = BASE,
     from .local_trainer import run_local
 
     run = replace(base, loss_mode=plan["loss_mode"], micro_batch_size=plan["micro_batch_size"], seed=plan["seed"],
-                  steps=plan["steps"])
+                  steps=plan["steps"],
+                  log_prob_micro_batch_size=plan.get("log_prob_micro_batch_size", base.log_prob_micro_batch_size))
     model = model_path_for(models_dir, plan["seed"])
     work_dir = os.path.join(work_root, f"pid{os.getpid()}")
     os.makedirs(work_dir, exist_ok=True)

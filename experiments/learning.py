@@ -35,10 +35,10 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Optional, Sequence
 
-from .local_trainer import LOSS_MODES, RunConfig, RunResult, run_local
+from .local_trainer import LOSS_MODES, RunConfig, RunResult, config_fields, run_local
 from .study_cli import (
     add_output_arguments, add_run_arguments, load_pyplot, new_parser, redraw_from_json,
     run_in_jobs, save_figure, write_outputs,
@@ -229,7 +229,7 @@ def summarize(results: Sequence[RunResult]) -> dict:
             key: per_run[key]["entropy_end"] / per_run[f"vanilla/mbs{key.split('mbs')[1]}"]["entropy_end"]
             for key in per_run}
     return add_comparable_reward({
-        "config": asdict(results[0].config) | {"loss_mode": None, "micro_batch_size": None},
+        "config": config_fields(results[0].config) | {"loss_mode": None, "micro_batch_size": None},
         "modes": modes, "micro_batch_sizes": sizes, "noise_factor": NOISE_FACTOR, "curves": curve,
         "runs": per_run, "pairs": pairs, "verdict": verdict})
 

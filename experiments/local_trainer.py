@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -96,11 +96,36 @@ class RunConfig:
     entropy_control_window: int = 8
     # A global mode's prepass_layout ("infer", the plugin's default, is not written into the config).
     prepass_layout: str = "infer"
+    # rollout.log_prob_micro_batch_size_per_gpu: the micro-batch size of verl's log-prob pass (old_log_probs, the
+    # logged entropy) and of the infer-layout prepass. None: LOG_PROB_MICRO_BATCH_SIZE, the studies' setting (left out
+    # of config_fields, so their JSON and resume checks are unchanged). The tests that compare micro-batch sizes set
+    # it to micro_batch_size: then the first optimizer step's training forward is the pass's computation, and KL-Cov's
+    # log pi - log pi_old is exactly 0 there on every CPU (with another company it is the sign of float noise on
+    # CPUs whose rows' last bits follow their micro-batch company; see the tests' docstrings).
+    log_prob_micro_batch_size: Optional[int] = None
 
     def label(self) -> str:
         target = "" if self.entropy_target is None else f" target={self.entropy_target:g}"
         layout = "" if self.prepass_layout == "infer" else f" layout={self.prepass_layout}"
-        return f"{self.loss_mode}{target}{layout} mbs={self.micro_batch_size} dp={self.world_size}"
+        log_prob = "" if self.log_prob_micro_batch_size is None else f" log_prob_mbs={self.log_prob_micro_batch_size}"
+        return f"{self.loss_mode}{target}{layout} mbs={self.micro_batch_size}{log_prob} dp={self.world_size}"
+
+    def log_prob_micro_batch(self) -> int:
+        """The log-prob pass's micro-batch size per rank (:data:`LOG_PROB_MICRO_BATCH_SIZE` unless set)."""
+        return LOG_PROB_MICRO_BATCH_SIZE if self.log_prob_micro_batch_size is None else self.log_prob_micro_batch_size
+
+
+#: verl's log-prob pass micro-batch size per rank in every run that does not set its own (the studies' runs).
+LOG_PROB_MICRO_BATCH_SIZE = 4
+
+
+def config_fields(run: RunConfig) -> dict:
+    """``asdict(run)`` without ``log_prob_micro_batch_size`` while it is None: what the studies write into their JSON
+    and compare on resume, as before the field existed."""
+    fields = asdict(run)
+    if fields["log_prob_micro_batch_size"] is None:
+        del fields["log_prob_micro_batch_size"]
+    return fields
 
 
 @dataclass
@@ -136,6 +161,8 @@ def trainer_overrides(run: RunConfig, *, model_path: str, train_file: str, out_d
     """Hydra overrides of verl's ``ppo_trainer`` config for ``run`` (legacy trainer, GRPO, fp32, sdpa)."""
     if run.loss_mode not in LOSS_MODES:
         raise ValueError(f"loss_mode must be one of {LOSS_MODES}, got {run.loss_mode!r}")
+    if run.log_prob_micro_batch() < 1:
+        raise ValueError(f"{run.label()}: log_prob_micro_batch_size must be a positive number of rows")
     mini = run.mini_batch_prompts
     if run.prompts_per_step % mini or (mini * run.responses_per_prompt) % (run.world_size * run.micro_batch_size):
         raise ValueError(f"{run.label()}: prompts_per_step must be a multiple of mini_batch_prompts and a minibatch "
@@ -174,7 +201,7 @@ def trainer_overrides(run: RunConfig, *, model_path: str, train_file: str, out_d
         *layout_overrides(run),
         f"actor_rollout_ref.rollout.n={run.responses_per_prompt}",
         "actor_rollout_ref.rollout.full_determinism=True",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={run.log_prob_micro_batch()}",
         "actor_rollout_ref.rollout.calculate_log_probs=False",
         f"actor_rollout_ref.rollout.seed={run.seed}",
         "trainer.use_v1=False",
@@ -245,7 +272,8 @@ def high_entropy_overrides(run: RunConfig) -> list[str]:
 #: Overrides that differ between the runs compared: applied to a cached composition of the others
 #: (Hydra's compose takes ~2 s a call on the 2-core machine; a run of the tiny model takes a few).
 PER_RUN_KEYS = ("actor_rollout_ref.actor.policy_loss.loss_mode", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-                "actor_rollout_ref.actor.ppo_mini_batch_size", "trainer.n_gpus_per_node")
+                "actor_rollout_ref.actor.ppo_mini_batch_size", "trainer.n_gpus_per_node",
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu")
 _COMPOSED: dict = {}
 
 

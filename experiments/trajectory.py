@@ -21,12 +21,12 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import torch
 
-from .local_trainer import RunConfig, RunResult, run_local, run_spawned
+from .local_trainer import RunConfig, RunResult, config_fields, run_local, run_spawned
 from .study_cli import (
     add_output_arguments, add_run_arguments, load_pyplot, new_parser, redraw_from_json,
     save_figure, write_outputs,
@@ -47,8 +47,13 @@ MICRO_BATCH_SIZES = (1, 4)
 PICTURE_STEPS = 6  # the command's default: longer curves than the test's 3 steps
 
 
-def mbs_runs(base: RunConfig, modes: Sequence[str]) -> list[RunConfig]:
-    return [replace(base, loss_mode=m, micro_batch_size=mbs) for m in modes for mbs in MICRO_BATCH_SIZES]
+def mbs_runs(base: RunConfig, modes: Sequence[str], log_prob_follows_training: Sequence[str] = ()) -> list[RunConfig]:
+    """Each mode at each of :data:`MICRO_BATCH_SIZES`; the modes in ``log_prob_follows_training`` with verl's log-prob
+    pass (and the infer-layout prepass) at the run's training micro-batch size instead of ``base``'s
+    (``RunConfig.log_prob_micro_batch_size``)."""
+    return [replace(base, loss_mode=m, micro_batch_size=mbs,
+                    log_prob_micro_batch_size=mbs if m in log_prob_follows_training else base.log_prob_micro_batch_size)
+            for m in modes for mbs in MICRO_BATCH_SIZES]
 
 
 def dp_runs(base: RunConfig, modes: Sequence[str]) -> list[RunConfig]:
@@ -60,6 +65,22 @@ def dp_runs(base: RunConfig, modes: Sequence[str]) -> list[RunConfig]:
 def param_distance(a: RunResult, b: RunResult) -> list[float]:
     """max |theta_a - theta_b| per weight version 0..steps."""
     return [float((x - y).abs().max()) for x, y in zip(a.params, b.params)]
+
+
+def param_diff_beyond_spacing(a: RunResult, b: RunResult) -> list[float]:
+    """Per weight version 0..steps: the largest |theta_a - theta_b| among the parameters that differ by more than one
+    float32 spacing at their own magnitude (0.0 when none does). A difference of one rounding is no evidence of a
+    different update however large the parameter (one rounding of a norm weight near 1, 1.2e-7, is 16x the whole
+    float noise of the weights near 0.04 -- tests/support/noise_floor.py); :func:`verdict` reads this."""
+    import numpy as np
+
+    out = []
+    for x, y in zip(a.params, b.params):
+        diff = (x - y).abs()
+        spacing = torch.from_numpy(np.spacing(torch.maximum(x.abs(), y.abs()).to(torch.float32).numpy())).double()
+        beyond = diff[diff > spacing]
+        out.append(float(beyond.max()) if beyond.numel() else 0.0)
+    return out
 
 
 def param_l2_distance(a: RunResult, b: RunResult) -> list[float]:
@@ -97,6 +118,7 @@ def compare_pair(a: RunResult, b: RunResult) -> dict:
     return {
         "float32_resolution": float32_resolution(a, b, ACTOR_METRICS),
         "param_max_abs_diff": param_distance(a, b),
+        "param_diff_beyond_spacing": param_diff_beyond_spacing(a, b),
         "param_l2_diff": param_l2_distance(a, b),
         "metrics": metric_differences(a, b, ACTOR_METRICS),
         "selection_metrics": metric_differences(a, b, selection_metric_names(a)),
@@ -140,7 +162,14 @@ def verdict(pairs: dict[str, dict], control: str = "vanilla") -> dict[str, dict]
     for mode, pair in pairs.items():
         if mode == control:
             continue
-        ratios = {"params": _ratio(max(pair["param_max_abs_diff"]), max(floor["param_max_abs_diff"]))}
+        # params: each parameter's floor is the control's largest difference, at least one float32 spacing at the
+        # parameter's own magnitude; bounded from above by the differences beyond one spacing over the control's, and
+        # the others (each within its own spacing) at most 1x (a report without the field: the whole-model ratio)
+        control_diff = max(floor["param_max_abs_diff"])
+        ratios = {"params": _ratio(max(pair["param_max_abs_diff"]), control_diff)}
+        if "param_diff_beyond_spacing" in pair:
+            ratios["params"] = max(min(1.0, ratios["params"]), _ratio(max(pair["param_diff_beyond_spacing"]),
+                                                                      control_diff))
         for name, diffs in pair["metrics"].items():
             # the floor: vanilla's difference, or the metric's float32 resolution where vanilla's is below it
             control = max(max(floor["metrics"].get(name, [0.0])), pair["float32_resolution"].get(name, 0.0))
@@ -156,15 +185,19 @@ def verdict(pairs: dict[str, dict], control: str = "vanilla") -> dict[str, dict]
 
 
 def run_experiment(base: RunConfig, *, model_path: str, work_dir: str, dp: bool = False,
-                   methods: Sequence[str] = ("kl_cov", "clip_cov"), progress=None, quiet: bool = False) -> dict:
-    """All runs, their pairwise differences and the verdicts, as a JSON-ready dict (+ the runs)."""
+                   methods: Sequence[str] = ("kl_cov", "clip_cov"), progress=None, quiet: bool = False,
+                   log_prob_follows_training: Sequence[str] = ()) -> dict:
+    """All runs, their pairwise differences and the verdicts, as a JSON-ready dict (+ the runs).
+    ``log_prob_follows_training``: see :func:`mbs_runs` (the DP runs train at micro-batch 4 with ``base``'s pass)."""
     modes = ["vanilla"] + [m for method in methods for m in METHODS[method]]
     started = time.perf_counter()
-    runs = mbs_runs(base, modes) + [replace(base, loss_mode="vanilla", micro_batch_size=MICRO_BATCH_SIZES[-1])]
+    runs = mbs_runs(base, modes, log_prob_follows_training)
+    runs.append(next(r for r in runs if r.loss_mode == "vanilla" and r.micro_batch_size == MICRO_BATCH_SIZES[-1]))
     *results, again = run_local(runs, model_path=model_path, work_dir=work_dir, progress=progress)
     by_key = {(r.config.loss_mode, r.config.micro_batch_size): r for r in results}
     mbs_pairs = {m: compare_pair(by_key[(m, 1)], by_key[(m, 4)]) for m in modes}
-    report = {"config": asdict(base), "modes": modes, "micro_batch_sizes": list(MICRO_BATCH_SIZES),
+    report = {"config": config_fields(base), "modes": modes, "micro_batch_sizes": list(MICRO_BATCH_SIZES),
+              **({"log_prob_follows_training": list(log_prob_follows_training)} if log_prob_follows_training else {}),
               "noise_factor": NOISE_FACTOR, "repeat": repeat_check(by_key[("vanilla", MICRO_BATCH_SIZES[-1])], again),
               "mbs": {"pairs": mbs_pairs, "verdict": verdict(mbs_pairs)},
               "curves": {f"{r.config.loss_mode}/mbs{r.config.micro_batch_size}": _curves(r) for r in results}}

@@ -11,6 +11,16 @@ the integral would rightly stop):
 * both sizes agree: identical rollouts and selection counts, the ratio's trajectories equal to far below its
   movement.
 
+Premise of the agreement, on every CPU: each run's log-prob pass (verl's ``log_prob_micro_batch_size_per_gpu``;
+the infer-layout prepass, which measures the controller's entropy, too) runs at its training micro-batch size.
+At the first optimizer step of a trainer step pi = pi_old, and KL-Cov's penalty gradient is
+coef * sign(log pi - log pi_old) * grad log pi: with the pass in the training micro-batch's company the
+difference is exactly 0; with a pass at 4 and training at 1 it is float noise on CPUs whose rows' last bits
+follow their micro-batch company (AMD EPYC; tests/support/company_noise.py), a full-size gradient, and the
+rollouts part from step 3. The two sizes' measured entropies then differ by float noise only (1.5e-8 at most
+in the mean here, emulator on), which the law (kp 10) turns into ln-ratio differences of a few 1e-8 (3.5e-8
+measured): the bound 1e-6 x the movement (~1e-6) is 27x that.
+
 Negative control that the test must catch: the same run with the mode's ``entropy_sign`` flipped in the table
 (a controller that pushes the wrong way). Its ratio moves up, and :func:`ratio_moves_down` says so.
 """
@@ -44,8 +54,9 @@ def ratio_moves_down(run: dict) -> bool:
     return all(b < a for a, b in zip(ratios, ratios[1:])) and ratios[-1] < BASE.kl_cov_ratio
 
 
-def _run(tmp_path, model: str, micro_batch_size: int) -> dict:
-    run = replace(BASE, loss_mode="kl_cov_global", entropy_target=TARGET, micro_batch_size=micro_batch_size)
+def _run(tmp_path, model: str, micro_batch_size: int, steps: int = STEPS) -> dict:
+    run = replace(BASE, loss_mode="kl_cov_global", entropy_target=TARGET, micro_batch_size=micro_batch_size,
+                  log_prob_micro_batch_size=micro_batch_size, steps=steps)
     return entropy_target._run_one(run, model_path=model, work_root=str(tmp_path))
 
 
@@ -63,7 +74,7 @@ def test_the_ratio_moves_down_at_both_sizes_identically_and_a_flipped_sign_is_ca
     original = modes.MODES["kl_cov_global"]
     modes.register_mode(dataclasses.replace(original, entropy_sign=-original.entropy_sign))
     try:
-        flipped = _run(tmp_path / "flipped", model, 4)
+        flipped = _run(tmp_path / "flipped", model, 4, steps=2)  # two steps show the direction
     finally:
         modes.register_mode(original)
     assert not ratio_moves_down(flipped), flipped["ratio_in_use"]  # the negative control is caught

@@ -14,7 +14,16 @@ does on the real task. At 12 steps it is still rising. With the easy set the hid
 
 It also runs each global mode for :data:`COUNT_STEPS` steps at both of the study's micro-batch sizes and
 asserts that the per-step selection counts (and the sampled rollouts) are identical: why the study runs
-the global modes once per seed.
+the global modes once per seed. Premise, on every CPU: kl_cov_global's runs have their log-prob pass (verl's
+``log_prob_micro_batch_size_per_gpu``; the infer-layout prepass too) at their training micro-batch size (the
+other modes keep the study's 4: no penalty of |log pi - log pi_old|). At
+the first optimizer step of a trainer step pi = pi_old, and KL-Cov's penalty gradient is
+coef * sign(log pi - log pi_old) * grad log pi: with the pass in the training micro-batch's company the
+difference is exactly 0; with the study's pass at 4 and training at 1 it is float noise on CPUs whose rows'
+last bits follow their micro-batch company (AMD EPYC; tests/support/company_noise.py), a full-size gradient
+of noise's sign, and kl_cov_global's rollouts part from step 2 (the study's own spot-check at 1 says so
+there). The counts are quotas of token counts; the rollouts stay identical while the parameters differ by
+float noise only (tests/experiments/test_learning.py's argument).
 """
 
 from __future__ import annotations
@@ -53,9 +62,9 @@ def _study(plans, base, task=TASK):
     return run_study(plans, study, jobs=1, base=base, task=task, progress=lambda message: None)
 
 
-def _plan(mode, size, seed, steps, name=None):
+def _plan(mode, size, seed, steps, name=None, **more):
     return dict(key=f"{name or mode}/seed{seed}", configuration=name or mode, loss_mode=mode,
-                micro_batch_size=size, seed=seed, steps=steps)
+                micro_batch_size=size, seed=seed, steps=steps, **more)
 
 
 def test_task_reward_and_exact_probability():
@@ -105,7 +114,8 @@ def test_premise_holds_under_vanilla_and_fails_when_the_easy_path_leads_to_p():
 def test_global_modes_select_identically_at_both_micro_batch_sizes():
     base = replace(BASE, steps=COUNT_STEPS)
     small, large = MICRO_BATCH_SIZES
-    plans = [_plan(mode, size, 1, COUNT_STEPS, name=mode if size == large else f"{mode}/mbs{size}")
+    plans = [_plan(mode, size, 1, COUNT_STEPS, name=mode if size == large else f"{mode}/mbs{size}",
+                   **({"log_prob_micro_batch_size": size} if mode == "kl_cov_global" else {}))  # module docstring
              for mode in GLOBAL_MODES for size in MICRO_BATCH_SIZES]
     study = _study(plans, base)
     checks = spot_check_report(study["runs"])

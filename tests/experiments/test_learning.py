@@ -22,6 +22,24 @@ probability of order 1e-3 (here 6 x 256), so the rollouts of vanilla and of the 
 micro-batch sizes -- the test checks that too -- and their curves differ by float noise only.
 Upstream ``kl_cov`` selects different tokens per micro-batch (at size 1 every covariance is 0), so
 its parameters differ by the penalty's gradient, its samples part, and its curves split.
+
+Premise of kl_cov_global's comparison, on every CPU: its runs have their log-prob pass (verl's
+``log_prob_micro_batch_size_per_gpu``, ``RunConfig.log_prob_micro_batch_size``; the infer-layout prepass
+too) at their training micro-batch size; every other run keeps the studies' 4. At the first optimizer
+step of a trainer step pi = pi_old, and KL-Cov's penalty coef * |log pi - log pi_old| has the gradient
+coef * sign(log pi - log pi_old) * grad log pi. With the pass in the training micro-batch's company (verl's
+minibatches are contiguous, ``actor.shuffle`` False) the difference is the same computation's, exactly 0
+(torch's gradient of |x| at 0 is 0); with the pass at 4 and training at 1 it is float noise on CPUs whose
+rows' last bits follow their micro-batch company (AMD EPYC; ``VERL_KLCOV_EMULATE_COMPANY_NOISE=1``,
+tests/support/company_noise.py), and its sign is a full-size gradient: the runs at 1 and 4 then part like
+upstream's (the plugin promises the masks there, not the update). At the later optimizer steps pi has
+moved by a whole update: the smallest |log pi - log pi_old| on a selected token was 8.7e-4 here (emulator
+on), ~1,800x the company noise of 4.8e-7, so the sign is decided. Its two passes differ in the last bits
+(other company), which vanilla's floor (pass at 4 at both sizes) does not carry: the comparison is the
+stricter for it. The masks are the selection on statistics that differ by float noise; a near-tie flipped
+by it would part the runs and fail the ratio (here the quota boundaries stood >= 1.7e-3 (KL-Cov) and
+>= 2.9e-6 (80/20; or at exact ties that stayed exact: a prompt's responses share their first position's
+entropy) from the next statistic, against ~5e-7 of noise).
 """
 
 from __future__ import annotations
@@ -91,7 +109,9 @@ def test_sampler_draws_a_pure_function_of_weights_and_request(learning_model):
 
 @pytest.fixture(scope="module")
 def report(learning_model, tmp_path_factory):
-    runs = [replace(TEST_BASE, loss_mode=m, micro_batch_size=b) for m in MODES for b in (1, 4)]
+    # kl_cov_global's log-prob pass at its training micro-batch size (module docstring: KL-Cov's sign at pi = pi_old)
+    runs = [replace(TEST_BASE, loss_mode=m, micro_batch_size=b,
+                    log_prob_micro_batch_size=b if m == "kl_cov_global" else None) for m in MODES for b in (1, 4)]
     result = summarize(run_runs(runs, model_path=learning_model, work_dir=str(tmp_path_factory.mktemp("runs")), jobs=1))
     print("\n" + format_report(result))
     return result
