@@ -235,7 +235,12 @@ def one_update(engine_spec: EngineSpec, batch: TensorDict, actor_config, layout:
 def hold_old_policy_pass(engine, td: TensorDict, actor_config) -> None:
     """For ``prepass_layout=old`` with a step that reads entropy: the log-prob pass verl's trainer would run before
     the update (``calculate_entropy=True``, here on the fresh engine: pi_old), held by the plugin for the update
-    as PATCH ``log_prob_pass_context`` holds verl's (``engine/reuse.py``). Nothing for any other config."""
+    as PATCH ``log_prob_pass_context`` holds verl's (``engine/reuse.py``). Nothing for any other config.
+
+    The pass is micro-batched with the engine's log-prob inference settings, as verl's ``TrainingWorker.infer_batch``
+    does, never with the training layout's: the held statistics are then one computation for every training layout
+    diagnose compares (where a row's last bits follow its micro-batch company they would otherwise differ, and a
+    near-tie of the selection could flip)."""
     from verl.utils import tensordict_utils as tu
 
     from ..config import OLD_POLICY_LAYOUT
@@ -250,6 +255,10 @@ def hold_old_policy_pass(engine, td: TensorDict, actor_config) -> None:
         return
     data = td.copy()
     tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False)
+    if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=False):
+        tu.assign_non_tensor(data, max_token_len_per_gpu=engine.engine_config.infer_max_token_len_per_gpu)
+    else:
+        tu.assign_non_tensor(data, micro_batch_size_per_gpu=engine.engine_config.infer_micro_batch_size_per_gpu)
     with reuse.log_prob_pass(engine, keep_entropy=True, hold=True), engine.eval_mode():
         engine.infer_batch(data)
 
