@@ -35,7 +35,7 @@ from .gpu_phases import Phase
 def _tiny_engine(phase: Phase):
     from verl_klcov_global.lab import cpu as _cpu
     from verl_klcov_global.lab import tiny as _tiny
-    from verl_klcov_global.lab.diagnose import quiet_verl
+    from verl_klcov_global.lab.quiet import quiet_verl
 
     with quiet_verl():
         path = _tiny.build_tiny_model(os.path.join(phase.scratch, "tiny"))
@@ -238,7 +238,7 @@ def _check_selection_over_group(phase: Phase, engine, batch, log_probs: torch.Te
 
 
 def run(phase: Phase) -> None:
-    from verl_klcov_global.lab.diagnose import quiet_verl
+    from verl_klcov_global.lab.quiet import quiet_verl
     from verl_klcov_global.lab.experiment import _release
 
     engine, batch = _tiny_engine(phase)

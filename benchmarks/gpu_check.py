@@ -133,7 +133,7 @@ def phase_env(phase: Phase) -> None:
 
 def phase_diagnose(phase: Phase) -> None:
     """diagnose (FSDP2) for every (dtype, global mode); fewer blocks when the budget is short."""
-    from verl_klcov_global.lab.diagnose import DiagnoseOptions, run_diagnose
+    from verl_klcov_global.diagnose.run import DiagnoseOptions, run_diagnose
     from verl_klcov_global.lab.experiment import registered_global_modes
 
     sizes = phase.sizes

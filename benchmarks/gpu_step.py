@@ -131,7 +131,7 @@ class Meter:
 
 def _build_model(phase: Phase) -> tuple[str, dict]:
     from verl_klcov_global.lab import tiny as _tiny
-    from verl_klcov_global.lab.diagnose import quiet_verl
+    from verl_klcov_global.lab.quiet import quiet_verl
 
     path = os.path.join(phase.scratch, f"step-{phase.sizes.step_model}")
     with quiet_verl():
@@ -230,7 +230,7 @@ class Figures:
 
 def _build_engine(phase: Phase, path: str):
     from verl_klcov_global.lab import cpu as _cpu
-    from verl_klcov_global.lab.diagnose import quiet_verl
+    from verl_klcov_global.lab.quiet import quiet_verl
 
     sizes = phase.sizes
     started = time.monotonic()
@@ -331,7 +331,7 @@ def _run_rounds(phase: Phase, meter: Meter, operations: dict, modes: list[str], 
 
     Returns why rounds were left out, or None. Training steps run in an order rotated every round.
     """
-    from verl_klcov_global.lab.diagnose import quiet_verl
+    from verl_klcov_global.lab.quiet import quiet_verl
 
     rounds, done, round_seconds = phase.sizes.step_reps, 0, None
     for round_index in range(-1, rounds):  # -1: the warm-up round
@@ -365,7 +365,7 @@ def _run_rounds(phase: Phase, meter: Meter, operations: dict, modes: list[str], 
 
 def run(phase: Phase) -> None:
     from verl_klcov_global.lab import tiny as _tiny
-    from verl_klcov_global.lab.diagnose import quiet_verl
+    from verl_klcov_global.lab.quiet import quiet_verl
     from verl_klcov_global.lab.experiment import _release, registered_global_modes, upstream_mode
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 

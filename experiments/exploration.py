@@ -149,7 +149,7 @@ def run_one(plan: dict, models_dir: str, work_root: str, base: RunConfig = BASE,
     ``log_prob_micro_batch_size`` where the plan has one) on ``task``; its per-step record (JSON-ready)."""
     import contextlib
 
-    from verl_klcov_global.lab.diagnose import quiet_verl
+    from verl_klcov_global.lab.quiet import quiet_verl
 
     from .learning_task import write_dataset
     from .local_trainer import run_local

@@ -83,7 +83,7 @@ def _run_one(run: RunConfig, *, model_path: str, work_dir: str, quiet: bool) -> 
     """One run in its own folder below ``work_dir``, timed (``result.seconds``)."""
     import contextlib
 
-    from verl_klcov_global.lab.diagnose import quiet_verl
+    from verl_klcov_global.lab.quiet import quiet_verl
 
     from .learning_task import write_dataset
 

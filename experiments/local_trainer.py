@@ -611,7 +611,7 @@ def run_local(runs: Sequence[RunConfig], *, model_path: str, work_dir: str, prog
 
 
 def _spawned_rank(rank: int, world_size: int, port: int, runs, model_path: str, work_dir: str, quiet: bool):
-    from verl_klcov_global.lab.diagnose import quiet_verl
+    from verl_klcov_global.lab.quiet import quiet_verl
 
     _cpu.install_cpu_platform()
     _cpu.init_process_group_cpu(rank, world_size, port)

@@ -116,7 +116,7 @@ class AgreementRecorder:
 
 def _run_one(run: RunConfig, *, model_path: str, work_root: str) -> dict:
     """One run in its own folder; its JSON-ready record (curves per trainer step, agreement per optimizer step)."""
-    from verl_klcov_global.lab.diagnose import quiet_verl
+    from verl_klcov_global.lab.quiet import quiet_verl
 
     from .learning_task import write_dataset
 

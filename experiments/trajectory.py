@@ -329,7 +329,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.steps < 1:
         parser.error("--steps must be >= 1")
 
-    from verl_klcov_global.lab.diagnose import quiet_verl
+    from verl_klcov_global.lab.quiet import quiet_verl
     from verl_klcov_global.lab.tiny import build_tiny_model
 
     base = RunConfig(steps=args.steps, seed=args.seed)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from verl_klcov_global import cli
-from verl_klcov_global.lab.diagnose import DiagnoseOptions, summarise
+from verl_klcov_global.diagnose.run import DiagnoseOptions, summarise
 
 SMALL = ["--blocks", "1", "--batch-size", "16", "--response-len", "32", "--micro-batches", "4"]
 
@@ -114,7 +114,7 @@ def test_clip_cov_global_must_also_reproduce_its_update():
 
 def test_exit_status_is_one_when_not_invariant(monkeypatch, capsys):
     failing = summarise(DiagnoseOptions(), "cpu", ["1 micro-batch", "8 micro-batches"], [_block(False, 1e-7)])
-    monkeypatch.setattr("verl_klcov_global.lab.diagnose.run_diagnose", lambda options, **kwargs: failing)
+    monkeypatch.setattr("verl_klcov_global.diagnose.run.run_diagnose", lambda options, **kwargs: failing)
     assert cli.main(["diagnose"]) == 1
     assert "FAIL: kl_cov_global is NOT invariant" in capsys.readouterr().out
 
@@ -129,7 +129,7 @@ def test_console_script_is_installed():
 @pytest.mark.slow  # two fresh interpreters
 def test_verls_import_warnings_precede_nothing_unless_verbose():
     """verl's import-time warnings (no accelerator, "engine is not available") come before diagnose's first line
-    only with --verbose. The console script's route is checked by tests/lab/test_user_losses.py's real runs."""
+    only with --verbose. The console script's route is checked by tests/diagnose/test_user_losses.py's real runs."""
     quiet = run_cli("diagnose", "--loss-mode", "no_such_loss", timeout=300)
     verbose = run_cli("diagnose", "--verbose", "--loss-mode", "no_such_loss", timeout=300)
     assert quiet.returncode == verbose.returncode == 2

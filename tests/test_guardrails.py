@@ -299,7 +299,7 @@ def test_main_ppo_prints_the_warnings_by_default(tiny_model_path):
 @pytest.mark.parametrize("config_name, mode", [("kl_cov_global", "kl_cov_global"), ("ppo_trainer", "kl_cov")])
 def test_diagnose_config_name_reports_the_same_findings_in_notes_and_json(monkeypatch, config_name, mode):
     """The plugin's config, and verl's own with upstream kl_cov (the findings its _global mode would get)."""
-    from verl_klcov_global.lab.user_config import plan_for
+    from verl_klcov_global.diagnose.user_config import plan_for
 
     monkeypatch.chdir(REPO_ROOT)
     overrides = ON_POLICY + [f"{PL}kl_cov_ratio=0.2", f"{RC}bypass_mode=True", f"{RC}rollout_rs=token_k1"]

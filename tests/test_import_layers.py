@@ -25,7 +25,8 @@ LAYERS = [
     ["engine.patches", "engine"],
     ["plugin"],
     [""],  # the package itself (verl_klcov_global/__init__.py)
-    ["worker_loader", "lab"],
+    ["worker_loader", "lab"],  # the harness: CPU platform, tiny models, the #7829 experiment, comparators
+    ["diagnose"],  # the command, on the harness (issue 40: lab/ was one room holding both)
     ["cli", "__main__"],
 ]
 #: Known upward edges, each with its reason.
@@ -120,6 +121,37 @@ def test_the_module_level_import_graph_has_no_circle():
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
+
+
+def _circles(edges) -> list[list[str]]:
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+    found, state = [], {}
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_the_harness_and_the_command_have_no_circle_even_through_function_level_imports():
+    """lab/ and diagnose/ (0.7.0: lab/diagnose.py <-> lab/user_losses.py, through imports inside functions)."""
+    rooms = ("lab", "diagnose")
+    edges = {(a, b) for a, b, _ in _edges()
+             if any(a == r or a.startswith(r + ".") for r in rooms) and any(b == r or b.startswith(r + ".") for r in rooms)}
+    assert _circles(edges) == []
+    assert not [(a, b) for a, b in edges if a.startswith("lab") and b.startswith("diagnose")], "harness -> command"
+    assert ("diagnose.run", "lab.experiment") in edges  # not vacuous
 
 
 def test_the_parser_sees_the_imports_it_must():

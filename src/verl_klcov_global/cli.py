@@ -138,19 +138,19 @@ def _usage_errors(given: dict) -> list[str]:
 
 
 def _diagnose(given: dict) -> int:
-    from .lab.diagnose import DiagnoseError, DiagnoseOptions, format_report, run_diagnose
+    from .diagnose.run import DiagnoseError, DiagnoseOptions, format_report, run_diagnose
 
     try:
         errors = _usage_errors(given)
         if errors:
             raise DiagnoseError("; ".join(errors))
         given["imports"] = tuple(given.get("imports") or ())
-        from .lab.user_losses import import_user_modules
+        from .diagnose.user_losses import import_user_modules
 
         import_user_modules(given["imports"])  # before the config (its _target_ may be theirs) and the name check
         extra = None
         if given.get("config_name"):
-            from .lab.user_config import plan_for
+            from .diagnose.user_config import plan_for
 
             plan = plan_for(given.get("config_path"), given["config_name"], given.get("overrides") or [],
                             max_tokens=given.get("max_tokens"), device=given.get("device"),

@@ -44,7 +44,7 @@ def test_diagnose_runs_the_old_policy_layout_with_the_pass_a_trainer_would_hold(
     import torch
 
     from verl_klcov_global.engine import reuse
-    from verl_klcov_global.lab.diagnose import DiagnoseOptions, run_diagnose
+    from verl_klcov_global.diagnose.run import DiagnoseOptions, run_diagnose
     from verl_klcov_global.layout import padded
 
     from ..engine.test_reuse import ROW_COMPANY_NOISE

@@ -1,10 +1,13 @@
-"""The lab behind ``verl-klcov-global diagnose`` and the tests: not needed to train with the plugin.
+"""The harness that ``verl-klcov-global diagnose``, the tests, the experiments and the benchmarks stand on: not
+needed to train with the plugin.
 
 * :mod:`.cpu` -- runs verl's real FSDP engine on a CPU (platform shim, engine registry, gloo, spawn);
 * :mod:`.tiny` -- a tiny Qwen2 and tokenizer built locally, trainer-shaped minibatches, actor configs;
 * :mod:`.experiment` -- the experiment of verl issue #7829: does an update depend on micro-batching?
-* :mod:`.diagnose` -- that experiment as a report with a verdict (``verl-klcov-global diagnose``);
+* :mod:`.per_micro_batch` -- the authors' per-micro-batch 80/20 rule, the comparator of ``high_entropy_global``;
+* :mod:`.quiet` -- verl's chatter hidden while an engine works.
 
-The research harness built on it (verl's trainer loop in-process, whole runs, learning runs and
-their pictures) lives outside the installed package, in the repository's ``experiments/``.
+The command is :mod:`verl_klcov_global.diagnose`, which imports from here, never the other way. The research
+harness built on it (verl's trainer loop in-process, whole runs, learning runs and their pictures) lives outside
+the installed package, in the repository's ``experiments/``.
 """

@@ -299,7 +299,7 @@ class ModeResult:
     """One loss mode in one block: the two layouts' outcomes and their difference."""
 
     mode: str
-    #: tokens selected under each layout; None for a loss outside the table (lab/measured.py: nothing to count)
+    #: tokens selected under each layout; None for a loss outside the table (diagnose/measured.py: nothing to count)
     selected_per_layout: Optional[tuple[int, int]]
     masks_identical: Optional[bool]
     max_param_diff: float

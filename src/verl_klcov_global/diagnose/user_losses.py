@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Iterable
 
-from .diagnose import DiagnoseError
+from .errors import DiagnoseError
 
 #: The penalty-free control every run compares with; not a loss diagnose judges.
 CONTROL = "vanilla"

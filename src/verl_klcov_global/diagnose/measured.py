@@ -59,7 +59,7 @@ def control_of(row: str) -> str:
 def other_layout(batch_size: int, seq_len: int, micro_batches: int, kind: str):
     """``micro_batches`` micro-batches in layout ``kind`` (static: the largest size <= ceil(B / N) that
     divides the B sequences, as verl's static split needs; dynamic: a token budget that forms N)."""
-    from .experiment import MicroBatchLayout, dynamic_layouts, largest_divisor_at_most
+    from ..lab.experiment import MicroBatchLayout, dynamic_layouts, largest_divisor_at_most
 
     if kind == "dynamic":
         layout = dynamic_layouts(batch_size, seq_len, micro_batches)[1]
@@ -92,7 +92,7 @@ def run_measured_block(engine_spec, batch, layouts, actor_config_for: Callable[[
     A loss that raises is added to ``failed`` (name -> :func:`describe_error`) and has no row; the
     control raising ends the run (nothing could be compared).
     """
-    from .experiment import ModeResult, max_abs_diff, one_update
+    from ..lab.experiment import ModeResult, max_abs_diff, one_update
 
     reference, primary, other = layouts
     kind = "dynamic" if other.use_dynamic_bsz else "static"

@@ -5,7 +5,7 @@
 :func:`plan_from_config` reads from it what decides the #7829 experiment (micro-batching, log-prob
 inference layout, padding removal, strategy, dtype, loss aggregation, the policy-loss knobs of
 both plugin modes, the PPO clip range, the model path and the minibatch shape) and returns a
-:class:`ConfigPlan`: the :class:`~verl_klcov_global.lab.diagnose.DiagnoseOptions` to run, one
+:class:`ConfigPlan`: the :class:`~verl_klcov_global.diagnose.run.DiagnoseOptions` to run, one
 :class:`Setting` row per value with where it came from, how the minibatch was scaled to
 ``--max-tokens``, a note for every key diagnose cannot honour, and the driver's whole-config
 findings (:mod:`verl_klcov_global.guardrails`: errors a ``main_ppo`` run would stop on, warnings
@@ -33,7 +33,8 @@ from typing import Any, Optional, Sequence
 
 from ..config import OLD_POLICY_LAYOUT
 from ..configs import CONFIG_DIR
-from .diagnose import DiagnoseError, DiagnoseOptions
+from .errors import DiagnoseError
+from .run import DiagnoseOptions
 
 #: Folder of the plugin's own configs (kl_cov_global.yaml, clip_cov_global.yaml), shipped in the package.
 PACKAGE_CONFIG_DIR = CONFIG_DIR

@@ -1,6 +1,6 @@
 """``verl-klcov-global diagnose``: the experiment of verl issue #7829 on the user's setup.
 
-Runs :mod:`verl_klcov_global.lab.experiment` over a few blocks for ``vanilla`` (the
+Runs the harness's :mod:`verl_klcov_global.lab.experiment` over a few blocks for ``vanilla`` (the
 penalty-free control) and, for every global mode of the plugin (``loss_mode="all"``, the
 default) or one of them, the mode and its verl counterpart (the name without ``_global``):
 ``kl_cov`` / ``kl_cov_global`` (and ``kl_cov_global[prepass=train]``), ``clip_cov`` /
@@ -19,23 +19,19 @@ exceeds 1, so verl's window would leave nothing to select and the comparison wou
 from __future__ import annotations
 
 import contextlib
-import io
 import json
-import logging
 import math
 import os
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Optional
+from typing import Optional
+
+from ..lab.quiet import quiet_verl
+from .errors import DiagnoseError
 
 INVARIANCE_FACTOR = 10.0  # a global mode must stay within this many times the control's noise floor
-
-
-class DiagnoseError(ValueError):
-    """A bad option, reported before any work is done."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +57,7 @@ class DiagnoseOptions:
     clip_cov_seed: int = 0
     #: high_entropy_global's rho (the fraction of tokens kept), also its per-micro-batch comparator's
     entropy_top_ratio: float = 0.2
-    # Set by ``--config-name`` (lab/user_config.py); the defaults are diagnose's own behaviour.
+    # Set by ``--config-name`` (diagnose/user_config.py); the defaults are diagnose's own behaviour.
     #: the N-micro-batch layout given directly (static: sequences per micro-batch; dynamic: token
     #: budget) instead of derived from ``micro_batches``, which then only names it
     micro_batch_size_per_gpu: Optional[int] = None
@@ -86,7 +82,7 @@ class DiagnoseOptions:
     #: as composed (``_target_`` included: verl's PolicyLossConfig or the user's class); None: verl's
     #: ``PolicyLossConfig`` with diagnose's KL-Cov/Clip-Cov knobs and verl's defaults for the rest
     policy_loss: Optional[dict] = None
-    #: ``--all-registered``: every loss verl itself registers (lab/user_losses.py), judged by measurement
+    #: ``--all-registered``: every loss verl itself registers (diagnose/user_losses.py), judged by measurement
     all_registered: bool = False
     #: ``--import``: the modules imported before the loss name was checked (recorded for the report)
     imports: tuple = ()
@@ -175,23 +171,6 @@ def validate(options: DiagnoseOptions) -> DiagnoseOptions:
     return options
 
 
-@contextlib.contextmanager
-def quiet_verl() -> Iterator[None]:
-    """Hide verl/transformers/torch chatter (prints, warnings, logs) while an engine works."""
-    with (
-        contextlib.redirect_stdout(io.StringIO()),
-        contextlib.redirect_stderr(io.StringIO()),
-        warnings.catch_warnings(),
-    ):
-        warnings.simplefilter("ignore")
-        previous = logging.root.manager.disable
-        logging.disable(logging.WARNING)
-        try:
-            yield
-        finally:
-            logging.disable(previous)
-
-
 def _progress(message: str) -> None:
     # the real stderr: quiet_verl() swaps sys.stderr while engines work
     print(message, file=sys.__stderr__, flush=True)
@@ -199,7 +178,7 @@ def _progress(message: str) -> None:
 
 def global_modes_of(options: DiagnoseOptions) -> tuple[str, ...]:
     """The global modes (of the table) this run diagnoses; none when it judges losses by measurement."""
-    from .experiment import registered_global_modes
+    from ..lab.experiment import registered_global_modes
 
     if measured_losses_of(options):
         return ()
@@ -207,7 +186,7 @@ def global_modes_of(options: DiagnoseOptions) -> tuple[str, ...]:
 
 
 def measured_losses_of(options: DiagnoseOptions) -> tuple[str, ...]:
-    """The losses outside the table this run judges by measurement (lab/measured.py): verl's own with
+    """The losses outside the table this run judges by measurement (diagnose/measured.py): verl's own with
     ``--all-registered``, the one ``--loss-mode`` names, or none."""
     from .user_losses import is_measured_loss, verl_own_losses
 
@@ -224,8 +203,8 @@ def _actor_config(options: DiagnoseOptions, mode: str):
     """
     from verl.workers.config import PolicyLossConfig
 
-    from . import tiny as _tiny
-    from .experiment import LAB_UPSTREAMS, upstream_counts, variant_of
+    from ..lab import tiny as _tiny
+    from ..lab.experiment import LAB_UPSTREAMS, upstream_counts, variant_of
 
     actor = {name: getattr(options, name) for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high",
                                                        "clip_ratio_c", "loss_scale_factor")
@@ -266,7 +245,7 @@ def _measured_policy_loss(options: DiagnoseOptions, loss: str):
 
 def layouts_of(options: DiagnoseOptions):
     """(1 micro-batch, N micro-batches) for the options: derived from ``micro_batches``, or given directly."""
-    from .experiment import MicroBatchLayout, dynamic_layouts, static_layouts
+    from ..lab.experiment import MicroBatchLayout, dynamic_layouts, static_layouts
 
     seq_len = options.prompt_len + options.response_len
     name = f"{options.micro_batches} micro-batch" + ("es" if options.micro_batches != 1 else "")
@@ -284,16 +263,16 @@ def layouts_of(options: DiagnoseOptions):
 def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[dict] = None) -> dict:
     """Run the experiment; return the report (also written to ``options.json_path`` when set).
 
-    ``extra``: more report keys, e.g. ``--config-name``'s settings table (``lab/user_config.py``).
+    ``extra``: more report keys, e.g. ``--config-name``'s settings table (``diagnose/user_config.py``).
     A loss outside the table (``--loss-mode NAME``, ``--all-registered``) is judged by measurement
     (:mod:`.measured`); one named by ``--loss-mode`` that raises in its update is a :class:`DiagnoseError`.
     """
     import torch
 
     from . import measured as _measured
-    from . import tiny as _tiny
+    from ..lab import tiny as _tiny
     from ..modes import MODES
-    from .experiment import TRAIN_LAYOUT_SUFFIX, EngineSpec, compared_modes, frozen_minibatch, run_block
+    from ..lab.experiment import TRAIN_LAYOUT_SUFFIX, EngineSpec, compared_modes, frozen_minibatch, run_block
 
     options = validate(options)
     measured = measured_losses_of(options)
@@ -411,7 +390,7 @@ def summarise(options: DiagnoseOptions, device: str, layout_names: list[str], bl
     mode or loss that ran is; ``could_not_run`` (name -> why) lists the measured losses that raised.
     """
     from . import measured as _measured
-    from .experiment import upstream_mode
+    from ..lab.experiment import upstream_mode
 
     def controls_of(mode: str) -> list:
         control = _measured.control_of(mode)

@@ -12,8 +12,8 @@ import textwrap
 import pytest
 
 from verl_klcov_global import cli
-from verl_klcov_global.lab.diagnose import DiagnoseError
-from verl_klcov_global.lab.user_config import DEFAULT_MAX_TOKENS, PACKAGE_CONFIG_DIR, Shape, plan_for, scale_shape
+from verl_klcov_global.diagnose.run import DiagnoseError
+from verl_klcov_global.diagnose.user_config import DEFAULT_MAX_TOKENS, PACKAGE_CONFIG_DIR, Shape, plan_for, scale_shape
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -256,7 +256,7 @@ def test_the_entropy_controller_is_listed_and_diagnosed_with_the_users_settings(
         "entropy_control_min_ratio": rows["entropy_control_min_ratio"][0],
         "entropy_control_max_ratio": rows["entropy_control_max_ratio"][0],
         "entropy_control_horizon": 0.0, "entropy_control_window": 8}
-    from verl_klcov_global.lab.diagnose import _actor_config
+    from verl_klcov_global.diagnose.run import _actor_config
     from verl_klcov_global.modes import MODES
 
     actor = _actor_config(plan.options, name)  # the config diagnose runs the mode with
@@ -290,7 +290,7 @@ def test_a_kl_cov_config_is_counted_as_kl_cov_global_and_the_on_policy_warning_s
     assert (plan.prepasses["optimizer_steps"], plan.prepasses["prepasses"], plan.prepasses["reused"]) == (1, 0, 1)
     assert any("kl-cov-on-policy" in str(f) for f in plan.findings)
     assert any("every optimizer update is on-policy" in note for note in plan.notes)
-    from verl_klcov_global.lab.diagnose import format_settings
+    from verl_klcov_global.diagnose.run import format_settings
 
     lines = format_settings({**plan.to_json(), "config": plan.config})
     assert any(line.startswith("prepasses: 1 optimizer step per trainer step") for line in lines), lines

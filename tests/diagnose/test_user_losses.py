@@ -2,7 +2,7 @@
 
 Fast: the exit-2 cases (unknown name, a module that does not import), the choice of verl's own
 losses by module, and the verdict by measurement on synthetic figures. Slow (verl's real FSDP engine
-on CPU, tiny model): two losses of tests/lab/two_user_losses.py, registered by ``--import`` from the
+on CPU, tiny model): two losses of tests/diagnose/two_user_losses.py, registered by ``--import`` from the
 current directory, judged both ways (a top-k inside each call: exit 1; a per-token loss: exit 0), the
 user's config class reaching the loss through ``policy_loss._target_``, and a loss that cannot run.
 """
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.lab import two_user_losses
+from tests.diagnose import two_user_losses
 from verl_klcov_global import cli
-from verl_klcov_global.lab.diagnose import DiagnoseOptions, format_report, summarise
-from verl_klcov_global.lab.measured import control_of, describe_error, other_layout, split_row
-from verl_klcov_global.lab.user_losses import verl_own_losses
+from verl_klcov_global.diagnose.run import DiagnoseOptions, format_report, summarise
+from verl_klcov_global.diagnose.measured import control_of, describe_error, other_layout, split_row
+from verl_klcov_global.diagnose.user_losses import verl_own_losses
 
 SMALL = ["--blocks", "1", "--batch-size", "16", "--response-len", "32", "--micro-batches", "4"]
 LOSSES_FILE = Path(two_user_losses.__file__)
@@ -138,7 +138,7 @@ def test_an_assertion_without_a_message_says_where_it_failed():
 
 def test_a_config_naming_a_loss_outside_the_table_plans_that_loss_with_its_policy_loss_node():
     """--config-name: verl's gspo (or a user's loss) is the loss diagnosed; its policy_loss node goes along."""
-    from verl_klcov_global.lab.user_config import plan_for
+    from verl_klcov_global.diagnose.user_config import plan_for
 
     plan = plan_for(None, "ppo_trainer", ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], device="cpu")
     options, settings = plan.options, {s.name: s for s in plan.settings}
