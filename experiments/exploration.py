@@ -28,7 +28,6 @@ import functools
 import math
 import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, replace
 from typing import Optional, Sequence
@@ -38,8 +37,7 @@ from .exploration_task import TASK, DeceptiveTask
 from .local_trainer import RunConfig, RunResult, config_fields
 from .policy_rollout import PolicyRollout
 from .study_cli import (
-    add_output_arguments, finish_study, load_pyplot, new_parser, redraw_from_json, resumed_from, run_in_jobs, save_figure,
-    save_json,
+    add_output_arguments, close_study, load_pyplot, new_parser, open_study, redraw_from_json, resumed_from, run_pending, save_figure,
 )
 
 #: Seeds 1..8: paired across configurations.
@@ -482,36 +480,20 @@ def _cost(plan: dict) -> float:
 
 def run_study(plans: Sequence[dict], study: dict, *, jobs: int, json_path: Optional[str] = None, progress=print,
               base: RunConfig = BASE, task: DeceptiveTask = TASK) -> dict:
-    """Run ``plans`` (those not yet in ``study['runs']``), longest first over ``jobs`` spawned processes,
-    adding each finished run to ``study`` and saving it to ``json_path`` at once (what makes a rerun resume)."""
-    todo = [p for p in plans if p["key"] not in study["runs"]]
-    if not todo:
-        return study
-    total_cost, spent, done = sum(map(_cost, todo)), 0.0, 0
-    started = time.perf_counter()
-    progress(f"{len(todo)} runs to do ({len(plans) - len(todo)} already in the JSON), {jobs} job(s)")
-    with tempfile.TemporaryDirectory(prefix="exploration_cpu_") as work_root:
+    """The plans not yet in ``study['runs']`` (:func:`.study_cli.run_pending`), each seed's model built once."""
+    def work(work_root: str, todo: list) -> functools.partial:
         models_dir = os.path.join(work_root, "models")
         for seed in sorted({p["seed"] for p in todo}):
             model_path_for(models_dir, seed)
+        return functools.partial(run_one, models_dir=models_dir, work_root=work_root, base=base, task=task)
 
-        def finished(index: int, run: dict) -> None:
-            nonlocal done, spent
-            done += 1
-            spent += _cost(todo[index])
-            study["runs"][run["key"]] = run
-            if json_path:
-                save_json(study, json_path)
-            elapsed = time.perf_counter() - started
-            left = elapsed / spent * (total_cost - spent)
-            o = run_outcome(run, study["settings"]["task"], study["settings"]["final_steps"])
-            progress(f"[{done}/{len(todo)}] {run['key']}: {run['seconds']:.0f} s, final reward {o['final_reward']:.3f}, "
-                     f"P {'found at step ' + str(o['found_step']) if o['found_step'] else 'not found'}, end entropy "
-                     f"{o['entropy_end']:.2f}; {elapsed / 60:.1f} min elapsed, ~{left / 60:.1f} min left")
+    def describe(run: dict) -> str:
+        o = run_outcome(run, study["settings"]["task"], study["settings"]["final_steps"])
+        found = f"found at step {o['found_step']}" if o["found_step"] else "not found"
+        return f"final reward {o['final_reward']:.3f}, P {found}, end entropy {o['entropy_end']:.2f}"
 
-        run = functools.partial(run_one, models_dir=models_dir, work_root=work_root, base=base, task=task)
-        run_in_jobs(run, todo, jobs=jobs, cost=_cost, on_result=finished)
-    return study
+    return run_pending(plans, study, key_of=lambda plan: plan["key"], cost=_cost, work=work, describe=describe,
+                       jobs=jobs, json_path=json_path, progress=progress, prefix="exploration_cpu_")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -535,19 +517,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.steps < FINAL_STEPS:
         parser.error(f"--steps must be at least {FINAL_STEPS}")
     settings = study_settings(replace(BASE, steps=args.steps))
-    study = {"settings": settings, "seeds": seeds, "runs": {}, "seconds": 0.0}
     earlier = resumed_from(args.json, settings)
-    if earlier is not None:
-        study["runs"] = earlier.get("runs", {})
-        study["seconds"] = earlier.get("seconds", 0.0)
-        study["seeds"] = sorted(set(earlier.get("seeds", [])) | set(seeds))
+    study = open_study(settings, args.json,  # resumed: the seeds of both invocations
+                       seeds=seeds if earlier is None else sorted(set(earlier.get("seeds", [])) | set(seeds)))
     started = time.perf_counter()
     print(f"exploration study: {len(plans)} runs, seeds {seeds}, {args.steps} steps", flush=True)
     run_study(plans, study, jobs=args.jobs, json_path=args.json, progress=lambda m: print(m, flush=True))
-    study["seconds"] = study.get("seconds", 0.0) + (time.perf_counter() - started)
-    study["jobs"] = args.jobs
-    study["summary"] = summarize(study)
-    finish_study(study, args, started, format_report, plot)
+    close_study(study, args, started, summarize, format_report, plot)
     return 0
 
 

@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 from .local_trainer import LOSS_MODES, RunConfig, RunResult, config_fields, run_local
 from .study_cli import (
     add_output_arguments, add_run_arguments, load_pyplot, new_parser, redraw_from_json,
-    run_in_jobs, save_figure, write_outputs,
+    run_in_jobs, run_pending, save_figure, write_outputs,
 )
 
 MICRO_BATCH_SIZES = (1, 4)
@@ -325,6 +325,24 @@ def plot(report: dict, path: str) -> None:
         f"clip_cov_ratio {cfg['clip_cov_ratio']} window ({cfg['clip_cov_lb']}, {cfg['clip_cov_ub']})"
         + (f", entropy_top_ratio {cfg['entropy_top_ratio']}" if "entropy_top_ratio" in cfg else ""), fontsize=11)
     save_figure(fig, path, dpi=90)
+
+
+def run_on_the_learning_model(run_one, runs: Sequence[RunConfig], study: dict, *, key_of, cost, final_steps: int,
+                               jobs: int, json_path: Optional[str], progress, prefix: str) -> dict:
+    """A resumable study's pending runs on one learning model built in its work folder
+    (:func:`.study_cli.run_pending`): ``run_one(run, model_path=..., work_root=...)`` makes one run's dict."""
+    def work(work_root: str, todo: list) -> functools.partial:
+        from .learning_task import build_learning_model
+
+        return functools.partial(run_one, model_path=build_learning_model(os.path.join(work_root, "model")),
+                                 work_root=work_root)
+
+    def describe(run: dict) -> str:
+        final = run["reward"][-final_steps:]
+        return f"end entropy {run['entropy'][-1]:.2f}, final reward {sum(final) / len(final):.3f}"
+
+    return run_pending(runs, study, key_of=key_of, cost=cost, work=work, describe=describe, jobs=jobs,
+                       json_path=json_path, progress=progress, prefix=prefix)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

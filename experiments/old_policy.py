@@ -27,20 +27,20 @@ Resumable: the JSON is rewritten after every run and a rerun with the same ``--j
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from typing import Optional, Sequence
 
 from .entropy_target import parting_step
-from .learning import BASE, ENTROPY, NOISE_FACTOR, PREFIXES, REWARD, MakePolicyRollout, float32_spacing
+from .learning import BASE, ENTROPY, NOISE_FACTOR, PREFIXES, REWARD, MakePolicyRollout, float32_spacing, \
+    run_on_the_learning_model
 from .local_trainer import RunConfig, config_fields, run_local
-from .study_cli import add_output_arguments, finish_study, load_pyplot, new_parser, redraw_from_json, resumed_from, \
-    run_in_jobs, save_figure, save_json
+from .study_cli import (
+    load_pyplot, resumable_main, save_figure,
+)
 
 MODES = ("kl_cov_global", "clip_cov_global", "high_entropy_global")
 LAYOUTS = ("infer", "old")
@@ -283,32 +283,9 @@ def _key_of(run: RunConfig) -> str:
 
 def run_study(runs: Sequence[RunConfig], study: dict, *, jobs: int, json_path: Optional[str] = None,
               progress=print) -> dict:
-    """The runs not yet in ``study['runs']``, longest first over ``jobs`` processes; each finished run is added
-    to ``study`` and saved to ``json_path`` at once (what makes a rerun resume)."""
-    from .learning_task import build_learning_model
-
-    todo = [r for r in runs if _key_of(r) not in study["runs"]]
-    progress(f"{len(todo)} runs to do ({len(runs) - len(todo)} already in the JSON), {jobs} job(s)")
-    if not todo:
-        return study
-    total, spent, started = sum(map(_cost, todo)), 0.0, time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="old_policy_cpu_") as work_root:
-        model = build_learning_model(os.path.join(work_root, "model"))
-
-        def finished(index: int, run: dict) -> None:
-            nonlocal spent
-            spent += _cost(todo[index])
-            study["runs"][run["key"]] = run
-            if json_path:
-                save_json(study, json_path)
-            elapsed = time.perf_counter() - started
-            progress(f"[{len(study['runs'])}/{len(runs)}] {run['key']}: {run['seconds']:.0f} s, end entropy "
-                     f"{run['entropy'][-1]:.2f}, final reward {_final(run['reward']):.3f}; {elapsed / 60:.1f} min "
-                     f"elapsed, ~{elapsed / spent * (total - spent) / 60:.1f} min left")
-
-        run_in_jobs(functools.partial(_run_one, model_path=model, work_root=work_root), todo, jobs=jobs, cost=_cost,
-                    on_result=finished)
-    return study
+    """The runs not yet in ``study['runs']``, on one learning model (:func:`.learning.run_on_the_learning_model`)."""
+    return run_on_the_learning_model(_run_one, runs, study, key_of=_key_of, cost=_cost, final_steps=FINAL_STEPS,
+                                     jobs=jobs, json_path=json_path, progress=progress, prefix="old_policy_cpu_")
 
 
 def _prepare(study: dict) -> None:
@@ -316,28 +293,9 @@ def _prepare(study: dict) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = new_parser("python -m experiments.old_policy", __doc__)
-    add_output_arguments(parser)  # --png, --json (also what a rerun resumes from), --from-json
-    parser.add_argument("--steps", type=int, default=BASE.steps, help="GRPO steps per run (default %(default)s)")
-    parser.add_argument("--jobs", type=int, default=2, help="processes running runs in parallel (default %(default)s)")
-    args = parser.parse_args(argv)
-    if args.from_json:
-        return redraw_from_json(args, format_report, plot, prepare=_prepare)
-    if args.steps < FINAL_STEPS:
-        parser.error(f"--steps must be at least {FINAL_STEPS}")
-    settings = study_settings(args.steps)
-    study = {"settings": settings, "runs": {}, "seconds": 0.0}
-    earlier = resumed_from(args.json, settings)
-    if earlier is not None:
-        study.update(runs=earlier.get("runs", {}), seconds=earlier.get("seconds", 0.0))
-    started = time.perf_counter()
-    run_study(planned_runs(args.steps), study, jobs=args.jobs, json_path=args.json,
-              progress=lambda message: print(message, flush=True))
-    study["seconds"] += time.perf_counter() - started
-    study["jobs"] = args.jobs
-    study["summary"] = summarize(study)
-    finish_study(study, args, started, format_report, plot)
-    return 0
+    return resumable_main(argv, prog="python -m experiments.old_policy", doc=__doc__, default_steps=BASE.steps,
+                          min_steps=FINAL_STEPS, settings=study_settings, planned_runs=planned_runs, run_study=run_study,
+                          summarize=summarize, format_report=format_report, plot=plot, prepare=_prepare)
 
 
 if __name__ == "__main__":

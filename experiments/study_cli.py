@@ -11,9 +11,12 @@ they share, so that a new study writes only its runs, its report text and its pi
 * :func:`redraw_from_json` -- ``--from-json``: no runs, the report and the picture of an earlier JSON;
 * :func:`write_outputs` -- print the report, write the JSON, draw the PNG;
 * :func:`run_in_jobs` -- independent tasks over spawned processes, longest first, results in order;
-* :func:`save_json` / :func:`resumed_from` / :func:`finish_study` -- a resumable study's JSON: written whole
-  after every run (a crash loses nothing written before), read back by a rerun, which must have the same
-  settings, and the study's last report, JSON and picture.
+* the resumable study's skeleton, which :mod:`.entropy_target`, :mod:`.old_policy` and :mod:`.exploration` share
+  (each keeps only its runs, its table and its picture): :func:`open_study` (a new study, or the one ``--json``
+  holds, whose settings must be these), :func:`run_pending` (the runs not yet in it, longest first over ``--jobs``
+  processes, each saved at once with progress and the time left), :func:`close_study` (its time, summary, report,
+  JSON and picture), and :func:`resumable_main`, the whole command of a study over ``--steps``; below them :func:`save_json` (written whole after every run: a crash loses nothing written
+  before), :func:`resumed_from` and :func:`finish_study`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import traceback
 from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["new_parser", "load_pyplot", "save_figure", "add_output_arguments", "add_run_arguments", "redraw_from_json", "write_outputs",
-           "run_in_jobs", "save_json", "resumed_from", "finish_study"]
+           "run_in_jobs", "save_json", "resumed_from", "finish_study", "open_study", "run_pending", "close_study",
+           "resumable_main"]
 
 #: What to install when matplotlib is missing (the pictures only; the runs and the JSON do without).
 PLOT_HINT = ("the picture needs matplotlib (`pip install matplotlib`, or the plugin's plot extra: "
@@ -193,3 +197,91 @@ def finish_study(study: dict, args: argparse.Namespace, started: float, format_r
     if args.json:
         save_json(study, args.json)
     _draw(study, args, plot)
+
+
+# -- the resumable study's skeleton ------------------------------------------------------------------------
+
+
+def open_study(settings: dict, json_path: Optional[str], **fields: Any) -> dict:
+    """A study ``{"settings", "runs", "seconds", **fields}``: new, or the one an earlier invocation left at
+    ``json_path`` (its runs and seconds kept; :func:`resumed_from` refuses other settings)."""
+    study = {"settings": settings, "runs": {}, "seconds": 0.0, **fields}
+    earlier = resumed_from(json_path, settings)
+    if earlier is not None:
+        study.update(runs=earlier.get("runs", {}), seconds=earlier.get("seconds", 0.0))
+    return study
+
+
+def run_pending(items: Sequence[Any], study: dict, *, key_of: Callable[[Any], str], cost: Callable[[Any], float],
+                work: Callable[[str, list], Callable[[Any], dict]], describe: Callable[[dict], str], jobs: int,
+                json_path: Optional[str] = None, progress: Callable[[str], None] = print,
+                prefix: str = "study_") -> dict:
+    """Runs the ``items`` whose key is not yet in ``study['runs']``, longest (``cost``) first over ``jobs`` spawned
+    processes; each finished run (a dict with ``key`` and ``seconds``) is added to ``study`` and saved to
+    ``json_path`` at once, which is what makes a rerun resume, and reported with ``describe(run)`` and the time left.
+
+    ``work(work_root, todo)`` prepares what the runs share in a temporary folder (the model, built once) and
+    returns the picklable function that runs one item."""
+    import tempfile
+    import time
+
+    todo = [item for item in items if key_of(item) not in study["runs"]]
+    progress(f"{len(todo)} runs to do ({len(items) - len(todo)} already in the JSON), {jobs} job(s)")
+    if not todo:
+        return study
+    total, spent, done, started = sum(map(cost, todo)), 0.0, 0, time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=prefix) as work_root:
+        run_one = work(work_root, todo)
+
+        def finished(index: int, run: dict) -> None:
+            nonlocal spent, done
+            done += 1
+            spent += cost(todo[index])
+            study["runs"][run["key"]] = run
+            if json_path:
+                save_json(study, json_path)
+            elapsed = time.perf_counter() - started
+            progress(f"[{done}/{len(todo)}] {run['key']}: {run['seconds']:.0f} s, {describe(run)}; "
+                     f"{elapsed / 60:.1f} min elapsed, ~{elapsed / spent * (total - spent) / 60:.1f} min left")
+
+        run_in_jobs(run_one, todo, jobs=jobs, cost=cost, on_result=finished)
+    return study
+
+
+def close_study(study: dict, args: argparse.Namespace, started: float, summarize: Callable[[dict], dict],
+                format_report: Callable[[dict], str], plot: Callable[[dict, str], None]) -> None:
+    """This invocation's time added to the study's, its jobs and summary set; then :func:`finish_study`."""
+    import time
+
+    study["seconds"] = study.get("seconds", 0.0) + (time.perf_counter() - started)
+    study["jobs"] = args.jobs
+    study["summary"] = summarize(study)
+    finish_study(study, args, started, format_report, plot)
+
+
+def resumable_main(argv: Optional[Sequence[str]], *, prog: str, doc: str, default_steps: int, min_steps: int,
+                   settings: Callable[[int], dict], planned_runs: Callable[[int], list],
+                   run_study: Callable[..., dict], summarize: Callable[[dict], dict],
+                   format_report: Callable[[dict], str], plot: Callable[[dict, str], None],
+                   prepare: Callable[[dict], None], finish: Callable[[dict, int], None] = lambda study, steps: None) -> int:
+    """The command of a resumable study over ``--steps`` and ``--jobs`` (plus ``--png``, ``--json``, ``--from-json``):
+    ``--from-json`` redraws (``prepare`` sets what the picture needs); else the planned runs not yet in ``--json``,
+    then ``finish(study, steps)`` (a study's own additions) and :func:`close_study`."""
+    import time
+
+    parser = new_parser(prog, doc)
+    add_output_arguments(parser)  # --png, --json (also what a rerun resumes from), --from-json
+    parser.add_argument("--steps", type=int, default=default_steps, help="GRPO steps per run (default %(default)s)")
+    parser.add_argument("--jobs", type=int, default=2, help="processes running runs in parallel (default %(default)s)")
+    args = parser.parse_args(argv)
+    if args.from_json:
+        return redraw_from_json(args, format_report, plot, prepare=prepare)
+    if args.steps < min_steps:
+        parser.error(f"--steps must be at least {min_steps}")
+    study = open_study(settings(args.steps), args.json)
+    started = time.perf_counter()
+    run_study(planned_runs(args.steps), study, jobs=args.jobs, json_path=args.json,
+              progress=lambda message: print(message, flush=True))
+    finish(study, args.steps)
+    close_study(study, args, started, summarize, format_report, plot)
+    return 0

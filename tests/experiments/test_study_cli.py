@@ -86,3 +86,42 @@ def test_a_failing_task_is_raised_here_even_when_its_exception_does_not_pickle()
 
 def _divide(item):
     return 1 / item
+
+
+def _square(item: int, *, work_root: str) -> dict:
+    return {"key": f"run{item}", "seconds": 0.0, "value": item * item, "work_root_exists": os.path.isdir(work_root)}
+
+
+def test_a_resumable_study_runs_what_its_json_lacks_saves_each_run_and_refuses_other_settings(tmp_path, capsys):
+    """The skeleton the studies share (open_study, run_pending, close_study, resumable_main's pieces)."""
+    import functools
+
+    import pytest
+
+    from experiments.study_cli import close_study, open_study, run_pending
+
+    path = str(tmp_path / "study.json")
+    lines = []
+
+    def work(work_root, todo):
+        return functools.partial(_square, work_root=work_root)
+
+    def run(items, study):
+        return run_pending(items, study, key_of=lambda i: f"run{i}", cost=float, work=work, jobs=1, json_path=path,
+                           describe=lambda r: f"value {r['value']}", progress=lines.append)
+
+    study = run([1, 2], open_study({"steps": 3}, path))
+    assert {k: v["value"] for k, v in study["runs"].items()} == {"run1": 1, "run2": 4}
+    assert all(r["work_root_exists"] for r in study["runs"].values())
+    assert json.load(open(path))["runs"].keys() == {"run1", "run2"}  # saved run by run
+    assert lines[0] == "2 runs to do (0 already in the JSON), 1 job(s)" and "[1/2] run1" in lines[1]  # jobs 1: in order
+    lines.clear()
+    resumed = open_study({"steps": 3}, path)
+    run([1, 2, 3], resumed)
+    assert lines[0] == "1 runs to do (2 already in the JSON), 1 job(s)" and "run3: 0 s, value 9" in lines[1]
+    args = argparse.Namespace(jobs=1, json=path, png=None)
+    close_study(resumed, args, 0.0, summarize=lambda s: {"n": len(s["runs"])}, format_report=lambda s: "report",
+                plot=lambda s, p: None)
+    assert json.load(open(path))["summary"] == {"n": 3} and "report" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="other settings"):
+        open_study({"steps": 4}, path)
