@@ -376,6 +376,7 @@ def make_minibatch(
     calculate_entropy: bool = False,
     pad_token_id: int = 0,
     min_response_len: Optional[int] = None,
+    tokens: Optional[dict[str, torch.Tensor]] = None,
 ) -> TensorDict:
     """One actor-update minibatch (B = ``batch_size`` rows) in verl's layout.
 
@@ -391,16 +392,28 @@ def make_minibatch(
     global minibatch; keep it when sharding). The micro-batching keys are
     those ``TrainingWorker.train_batch`` injects; change them with
     :func:`set_micro_batching`.
+
+    ``tokens``: a rollout's padded fields instead of random ids (``SampledBatch.tokens()`` of
+    :mod:`.sampling`: prompts, responses, input_ids, attention_mask, position_ids, response_mask);
+    ``batch_size``, ``prompt_len``, ``response_len`` and the lengths are then theirs, and the
+    advantages are still the random group scores drawn from ``seed``.
     """
     from verl.utils import tensordict_utils as tu
 
     if layout not in ("v1", "legacy"):
         raise ValueError(f"layout must be 'v1' or 'legacy', got {layout!r}")
-    t = _padded_sample(
-        batch_size=batch_size, prompt_len=prompt_len, response_len=response_len, vary_lengths=vary_lengths,
-        seed=seed, vocab_size=vocab_size, pad_token_id=pad_token_id, group_size=group_size,
-        advantage_noise=advantage_noise, min_response_len=min_response_len,
-    )
+    if tokens is not None:
+        t = dict(tokens)
+        batch_size, response_len = t["responses"].shape
+        gen = torch.Generator().manual_seed(seed)
+        t["advantages"] = (_grpo_advantages(gen, batch_size, response_len, group_size, advantage_noise)
+                           * t["response_mask"]).float()
+    else:
+        t = _padded_sample(
+            batch_size=batch_size, prompt_len=prompt_len, response_len=response_len, vary_lengths=vary_lengths,
+            seed=seed, vocab_size=vocab_size, pad_token_id=pad_token_id, group_size=group_size,
+            advantage_noise=advantage_noise, min_response_len=min_response_len,
+        )
     t.update(
         _log_prob_fields(
             t, seed=seed, log_probs=log_probs, noise=old_log_prob_noise,

@@ -1,0 +1,54 @@
+"""lab/sampling.py on the embedded tiny Qwen2 (its tokenizer has a chat template): the KV-cache sampler draws what
+the model's full distribution gives, stops each row at EOS, and masks like verl's rollout."""
+
+from __future__ import annotations
+
+import torch
+
+from verl_klcov_global.lab import sampling
+
+PROMPTS = sampling.arithmetic_prompts(2, seed=3)
+
+
+def _sample(model, tokenizer, **kwargs):
+    return sampling.sample_chat_responses(model, tokenizer, PROMPTS, samples_per_prompt=3, max_new_tokens=12,
+                                          seed=5, **kwargs)
+
+
+def test_draws_are_reproducible_and_the_entropies_are_the_full_forwards(tiny_model_path):
+    model, tokenizer = sampling.load_policy(tiny_model_path)
+    first, again = _sample(model, tokenizer), _sample(model, tokenizer)
+    assert torch.equal(first.responses, again.responses)
+    assert first.batch_size == 6 and first.responses.shape[1] <= 12
+    tokens = first.tokens()
+    with torch.no_grad():  # one teacher-forced forward over prompt + response: the cache changed nothing
+        logits = model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"],
+                       position_ids=tokens["position_ids"]).logits
+    width = first.prompts.shape[1]
+    log_probs = torch.log_softmax(logits[:, width - 1:-1].float(), dim=-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1) * first.response_mask
+    torch.testing.assert_close(entropy, first.entropies, rtol=1e-4, atol=1e-5)
+    # every prompt is the chat template's user turn, left-padded
+    assert all(int(row.sum()) == len(ids) for row, ids in
+               zip(first.prompt_mask[::3], sampling.template_prompts(tokenizer, PROMPTS)))
+
+
+def test_each_row_stops_at_its_eos_and_the_mask_ends_there(tiny_model_path):
+    model, tokenizer = sampling.load_policy(tiny_model_path)
+    free = _sample(model, tokenizer)
+    stop = int(free.responses[0, 2])  # the third token row 0 draws becomes the EOS: the same draws, row 0 stops
+    tokenizer.eos_token_id = stop
+    tokenizer.pad_token_id = 0
+    stopped = _sample(model, tokenizer)
+    first_stop = int((free.responses[0] == stop).nonzero()[0])
+    assert int(stopped.response_mask[0].sum()) == first_stop + 1  # the EOS itself is a response token
+    assert torch.equal(stopped.responses[0, :first_stop + 1], free.responses[0, :first_stop + 1])
+    assert int(stopped.responses[0, first_stop + 1:].abs().sum()) == 0  # padded after it
+    assert float(stopped.entropies[0, first_stop + 1:].abs().sum()) == 0.0
+
+
+def test_answer_reward_reads_the_last_number():
+    assert sampling.answer_reward("59 + 63 = 122", "122") == 1.0
+    assert sampling.answer_reward("The answer is 1,220.", "1220") == 1.0
+    assert sampling.answer_reward("122 is wrong, it is 121", "122") == 0.0
+    assert sampling.answer_reward("no number", "3") == 0.0
