@@ -52,7 +52,7 @@ def test_no_file_claims_the_package_is_on_an_index():
 
 def test_readme_commands_are_the_ones_ci_runs_and_name_this_version():
     readme, ci = (REPO / "README.md").read_text(), (REPO / ".ci" / "run").read_text()
-    tests = "bash scripts/setup.sh && .venv/bin/python -m pytest -q"
+    tests = "bash scripts/setup.sh --real-model && .venv/bin/python -m pytest -q"
     assert tests in readme and tests in ci
     assert "bash scripts/setup.sh && .venv/bin/verl-klcov-global diagnose" in readme
     assert ".venv/bin/verl-klcov-global diagnose" in ci and "bash scripts/test_wheel.sh" in ci
