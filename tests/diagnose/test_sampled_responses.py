@@ -11,8 +11,11 @@ import os
 
 import pytest
 
+import torch
+
 from verl_klcov_global import cli
-from verl_klcov_global.diagnose.run import DiagnoseOptions, format_report, responses_of
+from verl_klcov_global.diagnose.run import DiagnoseOptions, format_report, responses_of, sampled_dynamic_layouts
+from verl_klcov_global.lab.sampling import SampledBatch
 
 
 def _no_template_folder(tmp_path):
@@ -41,6 +44,34 @@ def test_bad_sampling_options_exit_2_with_what_to_change(argv, message, tmp_path
     argv = [names.get(arg, arg) for arg in argv]
     assert cli.main(["diagnose", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_config_runs_keep_random_ids_and_refuse_the_sampling_options(capsys):
+    assert cli.main(["diagnose", "--config-name", "kl_cov_global", "--responses", "sampled", "--temperature", "0.7"]) == 2
+    err = capsys.readouterr().err
+    assert "--responses does not combine with --config-name" in err and "--temperature does not combine" in err
+
+
+def _rows(response_lengths, prompt=5, width=10):
+    lengths = torch.tensor(response_lengths)
+    response_mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    rows = len(response_lengths)
+    return SampledBatch(prompts=torch.ones(rows, prompt, dtype=torch.long), prompt_mask=torch.ones(rows, prompt,
+                        dtype=torch.long), responses=response_mask, response_mask=response_mask,
+                        entropies=torch.zeros(rows, width), pad_token_id=0, eos_token_id=2, temperature=1.0)
+
+
+def test_dynamic_budgets_follow_the_sampled_lengths_and_name_the_count_verl_forms():
+    options = DiagnoseOptions(batch_size=8, micro_batches=4)
+    # block 1: 8 rows of 5 + 10 tokens (120); block 2: 8 rows of 5 + 1 (48). Budget max(15, ceil(120 / 4)) = 30:
+    # verl forms ceil(120 / 30) = 4 micro-batches of block 1 and ceil(48 / 30) = 2 of block 2
+    whole, split = sampled_dynamic_layouts(options, [_rows([10] * 8), _rows([1] * 8)])
+    assert whole.max_token_len_per_gpu == 120 and split.max_token_len_per_gpu == 30
+    assert split.name == "2-4 micro-batches (30-token budget)"
+    (_, alone) = sampled_dynamic_layouts(options, [_rows([10] * 8)])
+    assert alone.name == "4 micro-batches (30-token budget)"
+    (_, long_rows) = sampled_dynamic_layouts(DiagnoseOptions(batch_size=8, micro_batches=8), [_rows([10] * 2 + [1] * 6)])
+    assert long_rows.max_token_len_per_gpu == 15  # never below the longest row (verl asserts it)
 
 
 @pytest.mark.slow

@@ -7,7 +7,9 @@ import torch
 
 from verl_klcov_global.lab import sampling
 
-PROMPTS = sampling.arithmetic_prompts(2, seed=3)
+# prompts of different lengths: the batch is left-padded, so the KV cache's positions and mask are exercised
+PROMPTS = [sampling.Prompt("What is 12 + 30?", "42"),
+           sampling.Prompt("Add these two numbers and give only the result, nothing else: 12 and 30.", "42")]
 
 
 def _sample(model, tokenizer, **kwargs):
@@ -28,9 +30,11 @@ def test_draws_are_reproducible_and_the_entropies_are_the_full_forwards(tiny_mod
     log_probs = torch.log_softmax(logits[:, width - 1:-1].float(), dim=-1)
     entropy = -(log_probs.exp() * log_probs).sum(-1) * first.response_mask
     torch.testing.assert_close(entropy, first.entropies, rtol=1e-4, atol=1e-5)
-    # every prompt is the chat template's user turn, left-padded
-    assert all(int(row.sum()) == len(ids) for row, ids in
-               zip(first.prompt_mask[::3], sampling.template_prompts(tokenizer, PROMPTS)))
+    # every prompt is the chat template's user turn, left-padded: the short one has padding
+    templated = sampling.template_prompts(tokenizer, PROMPTS)
+    assert len(templated[0]) < len(templated[1])
+    assert all(int(row.sum()) == len(ids) for row, ids in zip(first.prompt_mask[::3], templated))
+    assert int((first.prompt_mask == 0).sum()) > 0
 
 
 def test_each_row_stops_at_its_eos_and_the_mask_ends_there(tiny_model_path):

@@ -223,6 +223,9 @@ def resolve_model(options: DiagnoseOptions, progress=None) -> DiagnoseOptions:
         folder = real_model.resolve_model_argument(options.model, progress=progress or _progress)
     except real_model.RealModelError as error:
         raise DiagnoseError(f"--model {options.model}: {error}") from None
+    except OSError as error:  # the cache folder: full disk, no permission, ...
+        raise DiagnoseError(f"--model {options.model}: cannot prepare it in {real_model.folder_of()}: {error}; set "
+                            f"{real_model.CACHE_ENV} to a writable folder with 1 GB free") from None
     return options if folder == options.model else replace(options, model=folder)
 
 
@@ -342,7 +345,8 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
         with quiet():
             model_path = options.model or _tiny.build_tiny_model(os.path.join(scratch, "tiny"), seed=options.seed)
         vocab_size = _vocab_size(model_path)
-        sampled = _sample_blocks(options, model_path, progress) if responses_of(options) == "sampled" else None
+        sampled = (_sample_blocks(options, model_path, progress, device) if responses_of(options) == "sampled"
+                   else None)
         seq_len = (max(b.prompts.shape[1] + b.responses.shape[1] for b in sampled) if sampled
                    else options.prompt_len + options.response_len)
         spec = EngineSpec(
@@ -352,7 +356,8 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
             infer_max_token_len_per_gpu=options.infer_max_token_len_per_gpu or max(4096, seq_len),
             **({"clip_grad": _measured.MEASURED_CLIP_GRAD} if measured else {}),
         )
-        layouts = layouts_of(options, seq_len)
+        layouts = (sampled_dynamic_layouts(options, sampled) if sampled and options.layout == "dynamic"
+                   and not options.explicit_layout else layouts_of(options, seq_len))
 
         def actor_config_for(mode):
             return _actor_config(options, mode)
@@ -388,7 +393,7 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
             seed = options.seed + block
             prefix = f"[block {block + 1}/{options.blocks}]"
             progress(f"{prefix} building the frozen minibatch (seed {seed})")
-            tokens = {} if sampled is None else dict(tokens=sampled[block].tokens(),
+            tokens = {} if sampled is None else dict(tokens=sampled[block].tokens(), temperature=options.temperature,
                                                       group_size=options.samples_per_prompt)
             with quiet():
                 batch = frozen_minibatch(
@@ -425,12 +430,33 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
     return report
 
 
-def _sample_blocks(options: DiagnoseOptions, model_path: str, progress) -> list:
-    """Each block's responses, sampled from the model (lab/sampling.py) with seed ``options.seed + block``."""
+def sampled_dynamic_layouts(options: DiagnoseOptions, sampled: list):
+    """(1 micro-batch, N micro-batches) with token budgets for sampled rows, whose lengths vary (EOS).
+
+    verl forms ``min(rows, ceil(tokens / budget))`` dynamic micro-batches (``rearrange_micro_batches``), so the
+    budget is the larger of the longest row and ``ceil(T / N)``, T the largest block's tokens: that block gets N
+    micro-batches, a block with fewer tokens may get fewer; the name says the counts formed.
+    """
+    import torch
+
+    from ..lab.experiment import MicroBatchLayout
+
+    lengths = [torch.cat([batch.prompt_mask, batch.response_mask], dim=1).sum(1) for batch in sampled]
+    totals = [int(row_lengths.sum()) for row_lengths in lengths]
+    budget = max(max(int(row_lengths.max()) for row_lengths in lengths), -(-max(totals) // options.micro_batches))
+    counts = sorted({min(options.batch_size, -(-total // budget)) for total in totals})
+    formed = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return (MicroBatchLayout("1 micro-batch", True, max_token_len_per_gpu=max(totals)),
+            MicroBatchLayout(f"{formed} micro-batches ({budget}-token budget)", True, max_token_len_per_gpu=budget))
+
+
+def _sample_blocks(options: DiagnoseOptions, model_path: str, progress, device: str = "cpu") -> list:
+    """Each block's responses, sampled from the model (lab/sampling.py, fp32 on ``device``) with seed
+    ``options.seed + block``."""
     from ..lab import sampling
 
     with quiet_verl():
-        model, tokenizer = sampling.load_policy(model_path)
+        model, tokenizer = sampling.load_policy(model_path, device)
     batches = []
     for block in range(options.blocks):
         seed = options.seed + block
@@ -596,7 +622,7 @@ def format_settings(report: dict) -> list[str]:
 def _minibatch_text(options: dict, responses: dict) -> str:
     if responses["kind"] != "sampled":
         return (f"minibatch: {options['batch_size']} x ({options['prompt_len']} prompt + {options['response_len']} "
-                "response) random tokens")
+                "response) tokens")
     blocks = responses["blocks"]
     return (f"minibatch: {options['batch_size']} responses sampled from the model ({options['batch_size'] // responses['samples_per_prompt']} "
             f"arithmetic prompts x {responses['samples_per_prompt']}, chat template, T={responses['temperature']:g}, "

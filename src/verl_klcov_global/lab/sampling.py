@@ -86,13 +86,13 @@ class SampledBatch:
         )
 
 
-def load_policy(folder: str):
-    """(model, tokenizer) from an HF folder: fp32, eval mode, on the CPU."""
+def load_policy(folder: str, device: str = "cpu"):
+    """(model, tokenizer) from an HF folder: fp32, eval mode, on ``device``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model.eval()
+    model.eval().to(device)
     return model, tokenizer
 
 
@@ -127,29 +127,32 @@ def sample_chat_responses(model, tokenizer, prompts: list[Prompt], *, samples_pe
     for row, ids in enumerate(templated):
         prompt_ids[row, width - len(ids):] = torch.tensor(ids)
         prompt_mask[row, width - len(ids):] = 1
-    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    generator = torch.Generator().manual_seed(seed)  # on the host: the same draws on any device's probabilities
     attention = prompt_mask.clone()
     positions = torch.clip(torch.cumsum(attention, dim=-1) - 1, min=0)
     out = model(input_ids=prompt_ids, attention_mask=attention, position_ids=positions, use_cache=True,
                 logits_to_keep=1)
     next_position = positions[:, -1:] + 1
     tokens, entropies = [], []
-    finished = torch.zeros(batch, dtype=torch.bool)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
         log_probs = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)
         probs = log_probs.exp()
         entropy = -(probs * log_probs).sum(-1)
-        drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        drawn = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)
         tokens.append(torch.where(finished, torch.full_like(drawn, pad), drawn))
         entropies.append(torch.where(finished, torch.zeros_like(entropy), entropy))
         finished = finished | (drawn == eos)
         if bool(finished.all()):
             break
-        attention = torch.cat([attention, torch.ones(batch, 1, dtype=torch.long)], dim=1)
+        attention = torch.cat([attention, torch.ones(batch, 1, dtype=torch.long, device=device)], dim=1)
         out = model(input_ids=tokens[-1].unsqueeze(1), attention_mask=attention, position_ids=next_position,
                     past_key_values=out.past_key_values, use_cache=True)
         next_position = next_position + 1
-    responses = torch.stack(tokens, dim=1)
+    responses = torch.stack(tokens, dim=1).cpu()
+    prompt_ids, prompt_mask = prompt_ids.cpu(), prompt_mask.cpu()
     # 1 through each row's first EOS (inclusive), as verl's rollout masks a response
     is_eos = responses == eos
     after_eos = (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) > 0
@@ -158,5 +161,5 @@ def sample_chat_responses(model, tokenizer, prompts: list[Prompt], *, samples_pe
              for row, mask in zip(responses, response_mask)]
     return SampledBatch(prompts=prompt_ids, prompt_mask=prompt_mask, responses=responses * response_mask
                         + pad * (1 - response_mask), response_mask=response_mask,
-                        entropies=torch.stack(entropies, dim=1) * response_mask, pad_token_id=int(pad),
+                        entropies=torch.stack(entropies, dim=1).cpu() * response_mask, pad_token_id=int(pad),
                         eos_token_id=int(eos), temperature=float(temperature), texts=texts, answers=answers)
