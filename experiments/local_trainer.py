@@ -134,7 +134,7 @@ class RunResult:
 
     config: RunConfig
     metrics: list[dict[str, float]] = field(default_factory=list)
-    params: list[torch.Tensor] = field(default_factory=list)   # float64, full vector, sorted HF keys
+    params: list[torch.Tensor] = field(default_factory=list)   # float64, full vector, sorted HF keys (or LatestWeights)
     rollout_digest: list[str] = field(default_factory=list)    # per step: hash of the batch's tokens
     rollout_figures: list[dict[str, float]] = field(default_factory=list)  # per step, if the rollout records any
 
@@ -431,18 +431,48 @@ class RandomRollout:
                                    meta_info={"timing": {}, "reward_extra_keys": []})
 
 
+class LatestWeights:
+    """A weight history for a model too large to keep every version of (SmolLM2: 0.6 GB a version in fp32, 1.2 GB
+    in float64): the latest version only, in float32 (an fp32 model's values exactly), and the count of versions
+    recorded, so ``len()`` and ``[-1]`` behave as on :class:`RunResult`'s list. ``on_version(index, flat)`` sees
+    every version as it is recorded (e.g. to write it to disk for a later comparison)."""
+
+    dtype = torch.float32
+
+    def __init__(self, on_version=None):
+        self.latest: Optional[torch.Tensor] = None
+        self.count = 0
+        self.on_version = on_version
+
+    def append(self, flat: torch.Tensor) -> None:
+        self.latest = flat.to(self.dtype)
+        if self.on_version is not None:
+            self.on_version(self.count, self.latest)
+        self.count += 1
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self.latest is None or index not in (-1, self.count - 1):
+            raise IndexError(f"only the latest weight version is kept (version {self.count - 1}), not {index}")
+        return self.latest
+
+
 class WeightSync:
     """Stands in for verl's ``CheckpointEngineManager``: ``update_weights(global_steps)`` after every actor
-    update (and once before training) records the actor's full parameters and tells the rollout the
-    weight version; ``sleep_replicas`` has nothing to do."""
+    update (and once before training) records the actor's full parameters (in the history's ``dtype``,
+    float64 for a plain list) and tells the rollout the weight version; ``sleep_replicas`` has nothing to do."""
 
-    def __init__(self, worker, rollout: RandomRollout, params: list):
+    def __init__(self, worker, rollout: RandomRollout, params):
         self.worker = worker
         self.rollout = rollout
         self.params = params
 
     def update_weights(self, global_steps: int):
-        self.params.append(_cpu.engine_params_flat(self.worker.actor.engine))  # a collective at world size > 1
+        dtype = getattr(self.params, "dtype", torch.float64)
+        # a collective at world size > 1
+        self.params.append(_cpu.engine_params_flat(self.worker.actor.engine, dtype=dtype))
         self.rollout.weight_version = global_steps
 
     def sleep_replicas(self):
@@ -507,7 +537,8 @@ def _batch_digest(input_ids: torch.Tensor) -> str:
 
 
 def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0, make_rollout=None,
-                dataset=write_dataset, extra_overrides: Sequence[str] = (), customize=None) -> RunResult:
+                dataset=write_dataset, extra_overrides: Sequence[str] = (), customize=None,
+                weights=None) -> RunResult:
     """One run of ``RayPPOTrainer.fit`` for ``run``; torch.distributed must be initialised with
     ``run.world_size`` ranks (:func:`run_local` / :func:`run_spawned` do that).
 
@@ -517,8 +548,10 @@ def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0
     ``extra_overrides``: more Hydra overrides of verl's config, replacing those of
     :func:`trainer_overrides` with the same key (e.g. ``trainer.save_freq=1``,
     ``trainer.resume_mode=auto``). ``customize(trainer, worker, rollout)``: called once everything
-    is wired, just before ``fit`` (e.g. to wrap the rollout). A resumed run logs the steps after
-    its checkpoint only, and records one weight version more than it logs steps."""
+    is wired, just before ``fit`` (e.g. to wrap the rollout). ``weights``: the weight history
+    (default: every version, float64, in ``result.params``; :class:`LatestWeights` for a large model).
+    A resumed run logs the steps after its checkpoint only, and records one weight version more than
+    it logs steps."""
     import verl_klcov_global  # noqa: F401  -- the plugin: losses registered, hook installed
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl.trainer.ppo.utils import Role
@@ -546,6 +579,8 @@ def run_trainer(run: RunConfig, *, model_path: str, work_dir: str, rank: int = 0
     if run.loss_mode in HIGH_ENTROPY_CONFIGS and run.loss_mode != "high_entropy_global":
         _use_lab_comparator(worker)
     result = RunResult(config=run)
+    if weights is not None:
+        result.params = weights
     if make_rollout is None:
         rollout = RandomRollout(tokenizer, seed=run.seed, max_prompt_length=run.max_prompt_length,
                                 max_response_length=run.max_response_length)

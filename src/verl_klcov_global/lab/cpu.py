@@ -660,20 +660,23 @@ def build_fsdp_engine(model_path: str, *, device: str = "cpu", seed: int = 0, **
     return engine
 
 
-def engine_params_flat(engine) -> torch.Tensor:
-    """Full (unsharded) model state as a float64 1-D tensor of length P.
+def engine_params_flat(engine, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Full (unsharded) model state as a 1-D tensor of length P, in ``dtype`` (float64 by default; float32 holds
+    an fp32 model's values exactly in half the memory).
 
     Gathers the full state dict on every rank (a collective: call it on all
     ranks) with ``torch.distributed.checkpoint.state_dict.get_model_state_dict``,
     which handles FSDP1 and FSDP2 and returns plain HF key names; the values
     are concatenated in sorted-key order, so the layout is identical for every
     strategy and world size. For Qwen2 the state dict holds parameters only
-    (``rotary_emb.inv_freq`` is a non-persistent buffer).
+    (``rotary_emb.inv_freq`` is a non-persistent buffer). Tied input and output embeddings (SmolLM2) appear
+    under both their keys, as in the HF model's own ``state_dict()``: the layout
+    :meth:`experiments.policy_rollout.PolicySampler.load_flat` reads.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-    return torch.cat([_full(state[k]).detach().reshape(-1).to(torch.float64) for k in sorted(state)])
+    return torch.cat([_full(state[k]).detach().reshape(-1).to(dtype) for k in sorted(state)])
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,10 @@ consecutive. The draws are reproducible on one machine; on another CPU the logit
 differ and, rarely, so may a draw.
 
 :func:`arithmetic_prompts` is the built-in prompt set: small sums and differences made from a seed,
-with their answers (for a reward that reads the decoded text).
+with their answers (for a reward that reads the decoded text). SmolLM2-135M-Instruct answers 3% of them (docs/
+REAL_MODEL.md); :func:`repeat_prompts` ("Repeat this number: N") is the set it answers about a third of, where GRPO
+groups have reward variance to learn from. :func:`sample_token_responses` samples after prompts already tokenized
+(a rollout's input).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from verl.utils.model import compute_position_id_with_mask
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,12 @@ def arithmetic_prompts(count: int, seed: int = 0) -> list[Prompt]:
             a, b = max(a, b), min(a, b)
             prompts.append(Prompt(f"What is {a} - {b}? Answer with the number.", str(a - b)))
     return prompts
+
+
+def repeat_prompts(count: int, seed: int = 0) -> list[Prompt]:
+    """``count`` requests "Repeat this number: N" (N from 2 to 98) with N as the answer."""
+    rng = random.Random(seed)
+    return [Prompt(f"Repeat this number: {n}", str(n)) for n in (rng.randint(2, 98) for _ in range(count))]
 
 
 def answer_reward(text: str, answer: str) -> float:
@@ -81,7 +91,7 @@ class SampledBatch:
             responses=self.responses,
             input_ids=torch.cat([self.prompts, self.responses], dim=1),
             attention_mask=attention_mask,
-            position_ids=torch.clip(torch.cumsum(attention_mask, dim=-1) - 1, min=0),
+            position_ids=compute_position_id_with_mask(attention_mask),
             response_mask=self.response_mask,
         )
 
@@ -111,16 +121,28 @@ def template_prompts(tokenizer, prompts: list[Prompt]) -> list[list[int]]:
     return out
 
 
-@torch.no_grad()
 def sample_chat_responses(model, tokenizer, prompts: list[Prompt], *, samples_per_prompt: int,
                           max_new_tokens: int, temperature: float = 1.0, seed: int = 0) -> SampledBatch:
     """Sample ``samples_per_prompt`` responses per prompt (see the module docstring)."""
+    templated = [ids for ids in template_prompts(tokenizer, prompts) for _ in range(samples_per_prompt)]
+    batch = sample_token_responses(model, tokenizer, templated, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, seed=seed)
+    batch.answers = [prompt.answer for prompt in prompts for _ in range(samples_per_prompt)]
+    return batch
+
+
+@torch.no_grad()
+def sample_token_responses(model, tokenizer, prompt_ids: list[list[int]], *, max_new_tokens: int,
+                           temperature: float = 1.0, seed: int = 0) -> SampledBatch:
+    """One response per row of ``prompt_ids`` (token ids, templated already), drawn with a KV cache from one
+    ``torch.Generator`` seeded ``seed`` on the host, each row stopped at its EOS (``answers`` left empty)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (sampling), got {temperature}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    templated = [ids for ids in template_prompts(tokenizer, prompts) for _ in range(samples_per_prompt)]
-    answers = [prompt.answer for prompt in prompts for _ in range(samples_per_prompt)]
+    templated = [list(ids) for ids in prompt_ids]
     batch, width = len(templated), max(len(ids) for ids in templated)
     prompt_ids = torch.full((batch, width), pad, dtype=torch.long)
     prompt_mask = torch.zeros(batch, width, dtype=torch.long)
@@ -131,7 +153,7 @@ def sample_chat_responses(model, tokenizer, prompts: list[Prompt], *, samples_pe
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     generator = torch.Generator().manual_seed(seed)  # on the host: the same draws on any device's probabilities
     attention = prompt_mask.clone()
-    positions = torch.clip(torch.cumsum(attention, dim=-1) - 1, min=0)
+    positions = compute_position_id_with_mask(attention)
     out = model(input_ids=prompt_ids, attention_mask=attention, position_ids=positions, use_cache=True,
                 logits_to_keep=1)
     next_position = positions[:, -1:] + 1
@@ -162,4 +184,4 @@ def sample_chat_responses(model, tokenizer, prompts: list[Prompt], *, samples_pe
     return SampledBatch(prompts=prompt_ids, prompt_mask=prompt_mask, responses=responses * response_mask
                         + pad * (1 - response_mask), response_mask=response_mask,
                         entropies=torch.stack(entropies, dim=1).cpu() * response_mask, pad_token_id=int(pad),
-                        eos_token_id=int(eos), temperature=float(temperature), texts=texts, answers=answers)
+                        eos_token_id=int(eos), temperature=float(temperature), texts=texts)

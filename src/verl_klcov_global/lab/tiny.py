@@ -52,6 +52,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 from tensordict import NonTensorData, TensorDict
+from verl.utils.model import compute_position_id_with_mask
 
 from ..layout import fit_width
 
@@ -282,7 +283,7 @@ def _padded_sample(
     prompts = prompts.masked_fill(prompt_mask == 0, pad_token_id)
     responses = responses.masked_fill(response_mask == 0, pad_token_id)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    position_ids = torch.clip(torch.cumsum(attention_mask, dim=-1) - 1, min=0)  # verl compute_position_id_with_mask
+    position_ids = compute_position_id_with_mask(attention_mask)
     advantages = _grpo_advantages(gen, batch_size, response_len, group_size, advantage_noise) * response_mask
     return dict(
         prompts=prompts,
