@@ -15,14 +15,13 @@ Set-up: ``bash scripts/setup.sh --real-model`` (docs/REAL_MODEL.md).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
 import torch
 
-from .study_cli import new_parser
+from .study_cli import new_parser, save_json
 
 #: the paper's reading of its Figure 2 (Qwen3-8B, chain-of-thought responses)
 PAPER = {"model": "Qwen3-8B (arXiv:2506.01939, Figure 2)", "share_below_0.01": 0.5, "share_above_0.672": 0.2,
@@ -91,8 +90,7 @@ def main(argv=None) -> int:
     }
     print(format_report(report))
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+        save_json(report, args.json)  # whole at every moment, its folder made
         print(f"wrote {os.path.abspath(args.json)}", file=sys.stderr)
     return 0
 

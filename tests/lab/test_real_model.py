@@ -19,6 +19,9 @@ def _prepared(folder, model, fmt=real_model.FORMAT):
     os.makedirs(folder)
     with open(os.path.join(folder, real_model.SOURCE_FILE), "w") as handle:
         json.dump({"gguf_sha256": model.sha256, "format": fmt}, handle)
+    for name in real_model.CONVERTED_FILES:
+        with open(os.path.join(folder, name), "w") as handle:
+            handle.write("{}")
 
 
 def test_a_missing_wheel_says_the_one_command_to_run(tmp_path):
@@ -51,6 +54,15 @@ def test_a_prepared_folder_is_reused_without_the_wheel(tmp_path):
     folder = real_model.folder_of(MISSING, str(tmp_path))
     _prepared(folder, MISSING)
     assert real_model.prepare(MISSING, cache=str(tmp_path)) == folder
+
+
+def test_a_prepared_folder_missing_a_file_is_refused_with_what_to_do(tmp_path):
+    folder = real_model.folder_of(MISSING, str(tmp_path))
+    _prepared(folder, MISSING)
+    os.remove(os.path.join(folder, "model.safetensors"))
+    with pytest.raises(real_model.RealModelError, match="lacks model.safetensors.*prepare-model nomodel"):
+        real_model.prepare(MISSING, cache=str(tmp_path))
+    assert os.path.isdir(folder)  # the user's to remove
 
 
 def test_the_cache_folder_follows_the_environment(tmp_path, monkeypatch):

