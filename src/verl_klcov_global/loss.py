@@ -239,3 +239,20 @@ def high_entropy_objective(old_log_prob, log_prob, advantages, response_mask, ma
     pg_losses = torch.where(masked_advantages < 0, clip_pg_losses2, clip_pg_losses1)
     return pg_losses, {"actor/pg_clipfrac": pg_clipfrac.detach().item(), "actor/ppo_kl": ppo_kl.detach().item(),
                        "actor/pg_clipfrac_lower": pg_clipfrac_lower.detach().item()}
+
+
+def stare_objective(old_log_prob, log_prob, advantages, response_mask, mask, settings):
+    """STARE's per-token loss (hp-luo/STARE ``compute_policy_loss_stare``, core_algos.py l.1201-1293 at bffb9e7):
+    verl's ``vanilla`` dual-clip PPO surrogate on the full advantages, times ``omega``
+    (:func:`.selection.stare.stare_weights`: ``settings.reweight_w`` on selected tokens with ``A > 0``,
+    ``settings.reweight_m`` on selected tokens with ``A < 0``, 1 elsewhere; all 1 while ``settings.gate_on`` is
+    False). :func:`global_policy_loss` multiplies by ``rollout_is_weights`` and aggregates with verl's ``agg_loss``,
+    as the fork does (its ``omega`` multiplies after the rollout weights: a product, the same). Metrics
+    ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``: ``vanilla``'s."""
+    from .selection.stare import stare_weights
+
+    pg_losses, metrics = high_entropy_objective(old_log_prob, log_prob, advantages, response_mask,
+                                                torch.ones_like(mask, dtype=torch.bool), settings)
+    weights = stare_weights(mask, advantages, reweight_w=settings.reweight_w, reweight_m=settings.reweight_m,
+                            gate_on=settings.gate_on)
+    return pg_losses * weights, metrics
