@@ -20,9 +20,10 @@ responses of at most 24; SGD, lr :data:`LR` (verl's grad clip 1.0; SGD as in the
 ``kl_cov_ratio`` 0.02 (about 3 of a minibatch's ~160 tokens; upstream's max(1, int(n x ratio)) floor of 1 token
 per micro-batch applies at both sizes), ``ppo_kl_coef`` 1. verl's log-prob pass runs at the training micro-batch
 size (``log_prob_micro_batch_size_per_gpu`` = ``ppo_micro_batch_size_per_gpu``) in every run, so that each run's
-pass is in its training micro-batches' company, as in tests/experiments/test_trajectory.py. The figures are this
-machine's (docs/REAL_MODEL.md names it): on a CPU whose last bits follow a row's micro-batch company, KL-Cov's
-penalty on |log pi - log pi_old| can turn that noise into a gradient sign, and the global pair would then show it.
+pass is in its training micro-batches' company, as in tests/experiments/test_trajectory.py: KL-Cov's
+|log pi - log pi_old| is then exactly 0 at each step's first optimizer step (measured on the tiny model with this
+rollout), not the sign of float noise. verl's other optimizer defaults stay (weight decay 0.01). The figures are
+this machine's (docs/REAL_MODEL.md names it).
 
 Reported per trainer step: verl's ``actor/entropy`` and the mean reward of each run; the tokens selected per
 optimizer step (a global mode: its selection's count, and a digest of its mask; upstream: its per-micro-batch quota

@@ -7,12 +7,13 @@ their weight versions written and deleted once their pair is compared, the mask 
 step, upstream's quota per micro-batch, the report.
 
 Premise, asserted: the random tiny model never repeats the number, so every reward and every GRPO advantage is 0.
-Then vanilla's updates are exactly 0 on every CPU (its pair too), every KL-Cov covariance is 0, and the global
-selection is decided by its tie order alone: its masks at micro-batch 1 and 4 are equal on every CPU. The parameter
-verdict against vanilla's floor is not asserted here: with a floor of exactly 0 it would read the CPU's last bits
-(under tests/support/company_noise.py the global pair moves by 4e-9 through KL-Cov's |log pi - log pi_old| where
-the pass and the training forward differ in their last bits). The verdict's arithmetic is checked on figures
-below; its measurement is the study's, on SmolLM2.
+Then vanilla's gradient is exactly 0 and its runs move by verl's default weight decay alone, the same at both sizes:
+its pair is exactly 0 on every CPU. Every KL-Cov covariance is 0, so the global selection is decided by its tie
+order alone: its masks at micro-batch 1 and 4 are equal on every CPU. The parameter verdict against vanilla's floor
+is not asserted here: from each step's second minibatch on, KL-Cov's penalty has a gradient (the weight decay made
+|log pi - log pi_old| nonzero), which carries the CPU's float noise; vanilla's zero gradient carries none (under
+tests/support/company_noise.py the global pair moves by 4e-9 against vanilla's 0). The verdict's arithmetic is
+checked on figures below; its measurement is the study's, on SmolLM2.
 """
 
 from __future__ import annotations
