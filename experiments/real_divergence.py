@@ -53,7 +53,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from .learning import float32_spacing
 from .local_trainer import LatestWeights, RunConfig, config_fields, run_local
+from .trajectory import _ratio
 from .study_cli import (
     add_output_arguments, close_study, load_pyplot, new_parser, open_study, redraw_from_json, run_pending, save_figure,
 )
@@ -241,18 +243,6 @@ def compare_pairs(study: dict, weights_root: str, progress=print) -> None:
         for key in keys:
             shutil.rmtree(os.path.join(weights_root, key.replace("/", "-")), ignore_errors=True)
         progress(f"compared {mode}'s pair; its weight files deleted")
-
-
-def _ratio(value: float, floor: float) -> float:
-    if value == 0.0:
-        return 0.0
-    return math.inf if floor == 0.0 else value / floor
-
-
-def float32_spacing(values: Sequence[float]) -> float:
-    import numpy as np
-
-    return max(float(np.spacing(np.float32(abs(v)))) for v in values)
 
 
 def verdicts(study: dict) -> dict:
