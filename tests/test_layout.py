@@ -33,7 +33,7 @@ def read_through_the_loss_wrapper(micro_batch):
         provided.append(loss._CURRENT_MASK.get().mask)
         return None, {}
 
-    step._loss_with_mask_slice(loss_function, model_output=None, data=micro_batch)
+    step._loss_with_mask_slice(loss_function, None, model_output=None, data=micro_batch)
     assert loss._CURRENT_MASK.get() is None  # scoped to the one loss call
     return provided[0]
 

@@ -35,7 +35,9 @@ __all__ = [
     "KLCovMaskUnavailableError",
     "ClipCovMaskUnavailableError",
     "HighEntropyMaskUnavailableError",
+    "StareMaskUnavailableError",
     "provide_selection_mask",
+    "provided_selection",
     "global_policy_loss",
     "kl_cov_objective",
     "clip_cov_objective",
@@ -59,10 +61,15 @@ class ClipCovMaskUnavailableError(SelectionMaskUnavailableError):
 class _ProvidedMask:
     mask: torch.Tensor
     figures: dict[str, float] = field(default_factory=dict)
+    settings: Any = None  # the step's settings where a rule moved them (ModeSpec.update_rule), else None
 
 
 class HighEntropyMaskUnavailableError(SelectionMaskUnavailableError):
     """The ``high_entropy_global`` loss was called without a precomputed selection mask."""
+
+
+class StareMaskUnavailableError(SelectionMaskUnavailableError):
+    """The ``stare_global`` loss was called without a precomputed selection mask."""
 
 
 _CURRENT_MASK: contextvars.ContextVar[Optional[_ProvidedMask]] = contextvars.ContextVar(
@@ -90,7 +97,8 @@ def record_hook_install_error(error: BaseException) -> None:
 
 
 @contextlib.contextmanager
-def provide_selection_mask(mask: torch.Tensor, figures: Optional[dict[str, float]] = None) -> Iterator[None]:
+def provide_selection_mask(mask: torch.Tensor, figures: Optional[dict[str, float]] = None,
+                           settings: Any = None) -> Iterator[None]:
     """Make ``mask`` the selection seen by every global mode's loss call inside this block.
 
     Args:
@@ -98,12 +106,20 @@ def provide_selection_mask(mask: torch.Tensor, figures: Optional[dict[str, float
             loss will receive (the micro-batch's slice of the minibatch mask).
         figures: optional scalar figures of the selection (``Selection.figures()``), reported
             by the loss under its mode's metric prefix (e.g. ``actor/kl_cov/``).
+        settings: optional, the settings this optimizer step's loss applies in place of those read from the actor
+            config (a mode whose ``update_rule`` moves them once per trainer step: STARE's gate, W and M).
     """
-    token = _CURRENT_MASK.set(_ProvidedMask(mask=mask, figures=dict(figures or {})))
+    token = _CURRENT_MASK.set(_ProvidedMask(mask=mask, figures=dict(figures or {}), settings=settings))
     try:
         yield
     finally:
         _CURRENT_MASK.reset(token)
+
+
+def provided_selection() -> Optional[_ProvidedMask]:
+    """What the innermost :func:`provide_selection_mask` block provides (``.mask``, ``.figures``, ``.settings``), or
+    None outside one: for comparators and tests that read the step's settings beside the loss."""
+    return _CURRENT_MASK.get()
 
 
 def _current_mask(response_mask: torch.Tensor, loss_mode: str,
@@ -121,7 +137,7 @@ def _current_mask(response_mask: torch.Tensor, loss_mode: str,
     mask = mask.to(device=response_mask.device, dtype=torch.bool)
     if bool((mask & ~response_mask.bool()).any()):
         raise ValueError(f"{loss_mode} mask selects positions outside response_mask: it is misaligned")
-    return _ProvidedMask(mask=mask, figures=provided.figures)
+    return _ProvidedMask(mask=mask, figures=provided.figures, settings=provided.settings)
 
 
 #: ``objective(old_log_prob, log_prob, advantages, response_mask, mask, settings) -> (per-token losses, metrics)``:
@@ -154,6 +170,8 @@ def global_policy_loss(mode: Any) -> Callable[..., tuple[torch.Tensor, dict[str,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         settings = mode.read_settings(config)
         provided = _current_mask(response_mask, mode.name, mode.no_mask_error)
+        if provided.settings is not None:  # moved once per trainer step by the mode's update_rule (engine/schedule.py)
+            settings = provided.settings
         pg_losses, metrics = mode.objective(old_log_prob, log_prob, advantages, response_mask, provided.mask,
                                             settings)
         if rollout_is_weights is not None:

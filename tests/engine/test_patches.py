@@ -498,5 +498,5 @@ def test_loss_wrapper_passes_distillation_logits_processor_calls_through():
         seen.append(sorted(kwargs))
         return "processed"
 
-    assert _loss_with_mask_slice(loss_function, student_logits=torch.zeros(1), data=None) == "processed"
+    assert _loss_with_mask_slice(loss_function, None, student_logits=torch.zeros(1), data=None) == "processed"
     assert seen == [["data", "student_logits"]]

@@ -38,17 +38,21 @@ from ..guardrails import GuardrailWarning
 from ..layout import MinibatchFields
 from ..modes import ModeSpec, Selection
 
-__all__ = ["STATE_KEY", "Steering", "check_target_below_max_entropy", "controller_state", "settle_after_selection",
+__all__ = ["STATE_KEY", "Steering", "check_target_below_max_entropy", "controller_state", "first_param_group",
+           "settle_after_selection",
            "steer", "store_controller_state"]
 
 #: The optimizer parameter-group entry that carries the controller's state.
 STATE_KEY = "verl_klcov_global_entropy_control"
 
 
-def _first_param_group(engine: BaseEngine) -> dict:
+def first_param_group(engine: BaseEngine) -> dict:
+    """The engine's optimizer's first parameter group, where the plugin keeps per-engine state that verl's
+    checkpoints must carry (the controller's, :data:`STATE_KEY`; a mode's update rule's, :mod:`.schedule`)."""
     optimizer = getattr(engine, "optimizer", None)
     if optimizer is None or not optimizer.param_groups:
-        raise RuntimeError("the entropy controller keeps its state in the actor's optimizer, and this engine has "
+        raise RuntimeError("the entropy controller and STARE's gate keep their state in the actor's optimizer, and "
+                           "this engine has "
                            f"none ({type(engine).__name__}): it trains no parameters")
     return optimizer.param_groups[0]
 
@@ -56,7 +60,7 @@ def _first_param_group(engine: BaseEngine) -> dict:
 def controller_state(engine: BaseEngine, mode: ModeSpec, settings: Any) -> ControllerState:
     """The engine's controller state; a fresh one (the configured ratio, clamped to the bounds) if it has none."""
     control = settings.entropy_control
-    stored = _first_param_group(engine).get(STATE_KEY)
+    stored = first_param_group(engine).get(STATE_KEY)
     if stored is not None and stored.get("knob") == mode.ratio_knob:
         state = ControllerState.from_dict(stored)
         bounded = min(max(state.log_ratio, math.log(control.min_ratio)), math.log(control.max_ratio))
@@ -78,7 +82,7 @@ def controller_state(engine: BaseEngine, mode: ModeSpec, settings: Any) -> Contr
 
 def store_controller_state(engine: BaseEngine, state: ControllerState) -> None:
     """Write ``state`` into the engine's optimizer (saved with it by verl's checkpoint manager)."""
-    _first_param_group(engine)[STATE_KEY] = state.to_dict()
+    first_param_group(engine)[STATE_KEY] = state.to_dict()
 
 
 def check_target_below_max_entropy(engine: BaseEngine, target: float) -> None:

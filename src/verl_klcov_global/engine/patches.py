@@ -193,13 +193,17 @@ def _log_prob_pass_of(worker, data):
         settings = mode.read_settings(config)
     except ValueError:  # a bad knob: the update raises it by name; nothing to keep
         return contextlib.nullcontext()
+    reads_batch_entropy = mode.reads_batch_entropy  # a once-per-trainer-step rule: every layout (engine/schedule.py)
     if settings.prepass_layout == OLD_POLICY_LAYOUT:  # pi_old's entropy, held for every step of the update
-        if not mode.reads_entropy(settings):
+        keep = mode.reads_entropy(settings)
+        if not keep and not reads_batch_entropy:
             return contextlib.nullcontext()  # old_log_probs travel with the batch: nothing to keep
-        return reuse.log_prob_pass(engine, keep_entropy=True, hold=True)
+        return reuse.log_prob_pass(engine, keep_entropy=True, hold=True, keep=keep, batch_entropy=reads_batch_entropy)
     if settings.prepass_layout != "infer":
-        return contextlib.nullcontext()
-    return reuse.log_prob_pass(engine, keep_entropy=mode.reads_entropy(settings))
+        if not reads_batch_entropy:
+            return contextlib.nullcontext()
+        return reuse.log_prob_pass(engine, keep_entropy=False, keep=False, batch_entropy=True)
+    return reuse.log_prob_pass(engine, keep_entropy=mode.reads_entropy(settings), batch_entropy=reads_batch_entropy)
 
 
 def install_reuse() -> None:

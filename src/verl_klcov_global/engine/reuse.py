@@ -115,6 +115,8 @@ class _Pass:
     engine: Any
     keep_entropy: bool
     hold: bool = False
+    keep: bool = True  # keep the per-token statistics (reuse, held entropy)
+    batch_entropy: bool = False  # record the batch-entropy sums (engine/batch_entropy.py)
 
 
 _PASS: contextvars.ContextVar[Optional[_Pass]] = contextvars.ContextVar("verl_klcov_global_log_prob_pass",
@@ -203,13 +205,18 @@ def _tracked_state(engine) -> Optional[_EngineState]:
 
 
 @contextlib.contextmanager
-def log_prob_pass(engine, *, keep_entropy: bool, hold: bool = False) -> Iterator[None]:
+def log_prob_pass(engine, *, keep_entropy: bool, hold: bool = False, keep: bool = True,
+                  batch_entropy: bool = False) -> Iterator[None]:
     """Inside this block, a call of ``engine.infer_batch`` is verl's log-prob pass to keep (:func:`after_infer_batch`).
+
+    ``keep=False``: no per-token statistics are kept; ``batch_entropy``: the pass's batch-entropy sums are recorded
+    for a mode with a once-per-trainer-step rule (:mod:`.batch_entropy`, in every ``prepass_layout`` and also inside
+    :func:`disabled`, which switches reuse off, not the rule's input).
 
     ``hold``: keep it for the whole update, until the next pass replaces it (``prepass_layout=old``, whose every
     optimizer step reads pi_old's entropy: :func:`held_entropy`); reuse (:func:`take`) still needs the weights
     version of the pass, so a held pass is never handed to a step after the first weights bump."""
-    token = _PASS.set(_Pass(engine, keep_entropy, hold))
+    token = _PASS.set(_Pass(engine, keep_entropy, hold, keep, batch_entropy))
     try:
         yield
     finally:
@@ -221,7 +228,13 @@ def after_infer_batch(engine, data: TensorDict, outputs: Any) -> None:
     log-prob pass opened by :func:`log_prob_pass` for this engine; anything else (the prepass's own forwards,
     other engines, other calls) is left alone."""
     current = _PASS.get()
-    if current is None or current.engine is not engine or _DISABLED[0]:
+    if current is None or current.engine is not engine:
+        return
+    if current.batch_entropy:
+        from . import batch_entropy
+
+        batch_entropy.record_pass(engine, data, outputs)  # never raises
+    if not current.keep or _DISABLED[0]:
         return
     state = None
     try:  # whatever goes wrong here costs a prepass later, never verl's pass

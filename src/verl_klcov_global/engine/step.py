@@ -17,6 +17,9 @@ verl's own step it:
 3. calls verl's ``train_batch`` with the loss function wrapped so that each micro-batch's loss
    call runs inside ``provide_selection_mask(<its slice>)`` (:mod:`verl_klcov_global.loss`).
 
+A mode with a once-per-trainer-step rule (``ModeSpec.update_rule``: STARE's gate and weights) first gets this
+step's settings from :func:`.schedule.settings_for_step`; the selection and every micro-batch's loss use them.
+
 Every other loss mode runs verl's ``train_batch`` untouched.
 
 Metrics this module adds to verl's step metrics (prefix: the mode's, e.g. ``actor/kl_cov/``), once per
@@ -54,6 +57,7 @@ from ..loss import provide_selection_mask
 from ..modes import ModeSpec, global_mode_of
 from ..seams import known_versions_text
 from .prepass import PrepassResult, run_prepass_and_select
+from .schedule import settings_for_step
 
 __all__ = ["UnsupportedEngineError", "actor_config_of", "observe_selections", "require_supported_engine",
            "train_batch_with_prepass"]
@@ -97,12 +101,16 @@ def train_batch_with_prepass(original: Callable, engine: BaseEngine, data: Tenso
     # verl's train_batch starts with this very call (set_to_none): made before the prepass, it frees
     # the previous step's gradients for it instead of after it.
     engine.optimizer_zero_grad()
+    rule_figures, step_settings = {}, None
+    if mode.update_rule is not None:  # once per trainer step, read at every optimizer step (engine/schedule.py)
+        settings, rule_figures = settings_for_step(engine, mode, settings)
+        step_settings = settings
     prepass = run_prepass_and_select(engine, data, settings, mode)
     for observer in list(_SELECTION_OBSERVERS):
         observer(engine, prepass)
     data[MASK_FIELD] = mask_in_layout_of(prepass.selection.mask, data["response_mask"])
     try:
-        outputs = original(engine, data, functools.partial(_loss_with_mask_slice, loss_function))
+        outputs = original(engine, data, functools.partial(_loss_with_mask_slice, loss_function, step_settings))
     finally:
         del data[MASK_FIELD]
     step_seconds = time.perf_counter() - started
@@ -110,7 +118,7 @@ def train_batch_with_prepass(original: Callable, engine: BaseEngine, data: Tenso
         prefix = mode.metric_prefix
         plugin_seconds = prepass.prepass_seconds + prepass.selection_seconds
         outputs["metrics"].update({f"{prefix}{name}": Metric(AggregationType.MAX, value)
-                                   for name, value in prepass.figures().items()})
+                                   for name, value in {**prepass.figures(), **rule_figures}.items()})
         outputs["metrics"].update({
             f"{prefix}prepass_seconds": Metric(AggregationType.MEAN, prepass.prepass_seconds),
             f"{prefix}selection_seconds": Metric(AggregationType.MEAN, prepass.selection_seconds),
@@ -135,8 +143,9 @@ def require_supported_engine(engine: BaseEngine, mode: ModeSpec) -> None:
             mode.name, mode.upstream, f"this actor runs {type(engine).__name__} with strategy {strategy!r}"))
 
 
-def _loss_with_mask_slice(loss_function: Callable, *args, **kwargs):
-    """verl's loss function, called inside ``provide_selection_mask`` with this micro-batch's mask slice.
+def _loss_with_mask_slice(loss_function: Callable, step_settings: Any, *args, **kwargs):
+    """verl's loss function, called inside ``provide_selection_mask`` with this micro-batch's mask slice (and the
+    step's settings where the mode's ``update_rule`` moved them, else None).
 
     verl also passes the same function as a logits processor for top-k distillation
     (``logits_processor_func(student_logits=..., data=...)``, verl 0.9.1
@@ -144,15 +153,16 @@ def _loss_with_mask_slice(loss_function: Callable, *args, **kwargs):
     """
     if "student_logits" in kwargs:
         return loss_function(*args, **kwargs)
-    return _policy_loss_with_mask_slice(loss_function, *args, **kwargs)
+    return _policy_loss_with_mask_slice(loss_function, step_settings, *args, **kwargs)
 
 
-def _policy_loss_with_mask_slice(loss_function: Callable, model_output, data: TensorDict, dp_group=None):
+def _policy_loss_with_mask_slice(loss_function: Callable, step_settings: Any, model_output, data: TensorDict,
+                                 dp_group=None):
     """``(loss, metrics)`` of verl's loss on this micro-batch, with its slice of the mask provided."""
     if MASK_FIELD not in data.keys():
         raise RuntimeError(
             f"micro-batch lost the per-token field {MASK_FIELD!r} on its way from the minibatch: verl's micro-batch "
             f"splitting changed (known to work: verl {known_versions_text()})"
         )
-    with provide_selection_mask(micro_batch_mask(data, MASK_FIELD)):
+    with provide_selection_mask(micro_batch_mask(data, MASK_FIELD), settings=step_settings):
         return loss_function(model_output=model_output, data=data, dp_group=dp_group)
