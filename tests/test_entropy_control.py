@@ -256,7 +256,8 @@ def test_null_target_is_off_and_the_defaults_are_valid():
 def test_every_mode_row_names_its_knob_and_sign():
     assert {name: (mode.ratio_knob, mode.entropy_sign) for name, mode in MODES.items()} == {
         "kl_cov_global": ("kl_cov_ratio", +1), "clip_cov_global": ("clip_cov_ratio", +1),
-        "high_entropy_global": ("entropy_top_ratio", -1)}
+        "high_entropy_global": ("entropy_top_ratio", -1),
+        "stare_global": ("stare_top_ratio", 0)}  # STARE has its own gate and schedule: no controller
 
 
 def _actor(policy_loss):

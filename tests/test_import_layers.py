@@ -14,12 +14,13 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: Bottom first; a module may import modules of its own layer or of layers below it.
 LAYERS = [
-    ["selection", "seams", "layout", "install_hint", "configs", "quiet_start", "entropy_control"],
+    ["selection", "seams", "layout", "install_hint", "configs", "quiet_start", "entropy_control", "stare_control"],
     ["config"],
     ["loss"],
     ["modes"],
     ["guardrails"],
-    ["driver", "engine.logprobs", "engine.control", "engine.reuse", "engine.old_policy"],
+    ["driver", "engine.logprobs", "engine.control", "engine.reuse", "engine.old_policy", "engine.batch_entropy",
+     "engine.schedule"],
     ["engine.prepass"],
     ["engine.step"],
     ["engine.patches", "engine"],

@@ -74,16 +74,23 @@ def test_readme_knob_defaults_are_the_packaged_configs_and_verls():
     from verl_klcov_global.configs import CONFIG_DIR
 
     composed = {}
-    for name in ("kl_cov_global", "clip_cov_global", "high_entropy_global"):
+    for name in ("kl_cov_global", "clip_cov_global", "high_entropy_global", "stare_global"):
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
             composed[name] = compose(config_name=name).actor_rollout_ref.actor.policy_loss
     GlobalHydra.instance().clear()
     kl, clip, high = composed["kl_cov_global"], composed["clip_cov_global"], composed["high_entropy_global"]
-    assert kl.prepass_layout == clip.prepass_layout == high.prepass_layout
+    stare = composed["stare_global"]
+    assert kl.prepass_layout == clip.prepass_layout == high.prepass_layout == stare.prepass_layout
+    assert not [key for key in stare if key.startswith("entropy_")]  # the controller does not apply to STARE
     expected = {"kl_cov_ratio": [kl.kl_cov_ratio], "ppo_kl_coef": [kl.ppo_kl_coef, PolicyLossConfig().ppo_kl_coef],
                 "clip_cov_ratio": [clip.clip_cov_ratio], "clip_cov_lb": [clip.clip_cov_lb, clip.clip_cov_ub],
                 "clip_cov_seed": [clip.clip_cov_seed], "entropy_top_ratio": [high.entropy_top_ratio],
+                "stare_top_ratio": [stare.stare_top_ratio],
+                "stare_variant": [stare.stare_variant, stare.stare_reweight_w, stare.stare_reweight_m],
+                "stare_target_entropy": [stare.stare_target_entropy],
+                "stare_adaptive": [str(stare.stare_adaptive).lower(), stare.stare_alpha, stare.stare_w_max,
+                                   stare.stare_m_min],
                 "prepass_layout": [kl.prepass_layout],
                 "entropy_target": ["null" if kl.entropy_target is None else kl.entropy_target],
                 "entropy_control_ki": [kl.entropy_control_ki, kl.entropy_control_kp],

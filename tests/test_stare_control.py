@@ -60,3 +60,44 @@ def test_the_gate_is_strict_and_a_state_round_trips():
     assert StareState.from_dict(state.to_dict()) == state
     unchanged = update_stare_state(state, math.nan, schedule)
     assert unchanged == state
+
+
+# ---------------------------------------------------------------------------------------------
+# The mode's update rule (ModeSpec.update_rule): what the engine calls at every optimizer step
+
+
+def _settings(**overrides):
+    from verl_klcov_global.config import StareGlobalPolicyLossConfig, read_stare_settings
+    from verl_klcov_global.lab.tiny import make_actor_config
+
+    return read_stare_settings(make_actor_config(policy_loss=StareGlobalPolicyLossConfig(**overrides)))
+
+
+def test_the_rule_moves_the_state_only_at_an_updates_first_step():
+    from verl_klcov_global.stare_control import stare_update_rule
+
+    settings = _settings(stare_adaptive=True, stare_target_entropy=0.3)
+    state, step, figures = stare_update_rule(None, 0.2, settings)  # first step: H below the target
+    assert step.gate_on and step.reweight_w == pytest.approx(1.11) and step.reweight_m == pytest.approx(0.89)
+    assert figures == {"gate_on": 1.0, "reweight_w_in_use": step.reweight_w, "reweight_m_in_use": step.reweight_m,
+                       "target_entropy": 0.3, "batch_entropy": 0.2}
+    again, step_again, _ = stare_update_rule(state, None, settings)  # a later step of the same update: read only
+    assert again == state and step_again == step
+    closed, step_closed, _ = stare_update_rule(state, 0.5, settings)
+    assert not step_closed.gate_on and closed["steps"] == 2 and step_closed.reweight_w == pytest.approx(1.10)
+
+
+def test_without_the_schedule_the_configured_weights_apply_also_after_a_resume():
+    from verl_klcov_global.stare_control import stare_update_rule
+
+    kept = {"reweight_w": 1.4, "reweight_m": 0.6, "gate_on": False, "entropy": 0.5, "steps": 7}
+    state, step, _ = stare_update_rule(kept, None, _settings(stare_reweight_w=1.2))
+    assert (step.reweight_w, step.reweight_m, step.gate_on) == (1.2, 0.9, False)  # the gate is the kept one
+    assert state["steps"] == 7
+
+
+def test_a_nonfinite_batch_entropy_leaves_the_state_as_the_fork_does():
+    from verl_klcov_global.stare_control import stare_update_rule
+
+    state, _, _ = stare_update_rule(None, 0.2, _settings())
+    assert stare_update_rule(state, math.nan, _settings())[0] == state

@@ -1,12 +1,11 @@
-"""verl-klcov-global: KL-Cov, Clip-Cov and the 80/20 high-entropy method, whose token selection does
+"""verl-klcov-global: KL-Cov, Clip-Cov, the 80/20 high-entropy method and STARE, whose token selection does
 not depend on memory settings.
 
 Registers the verl policy-loss modes of the mode table (:data:`verl_klcov_global.modes.MODES`:
-``kl_cov_global``, ``clip_cov_global`` and ``high_entropy_global``): one KL-Cov / Clip-Cov /
-high-entropy selection per optimizer minibatch (and data-parallel group), computed by a no-grad
-prepass, instead of one per micro-batch. Select one with
-``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global`` (or ``=clip_cov_global``,
-``=high_entropy_global``).
+``kl_cov_global``, ``clip_cov_global``, ``high_entropy_global`` and ``stare_global``): one selection per
+optimizer minibatch (and data-parallel group), computed by a no-grad prepass, instead of one per
+micro-batch. Select one with ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global`` (or
+``=clip_cov_global``, ``=high_entropy_global``, ``=stare_global``).
 """
 
 from importlib import metadata as _metadata
@@ -33,6 +32,7 @@ from .config import (
     ClipCovGlobalPolicyLossConfig,
     HighEntropyGlobalPolicyLossConfig,
     KLCovGlobalPolicyLossConfig,
+    StareGlobalPolicyLossConfig,
 )
 from .loss import (
     ClipCovMaskUnavailableError,
@@ -53,6 +53,8 @@ from .selection import (
     select_clip_cov_tokens,
     select_high_entropy_tokens,
     select_kl_cov_tokens,
+    select_stare_tokens,
+    StareSelection,
 )
 
 _quiet.close()
@@ -76,6 +78,8 @@ __all__ = [
     "KLCovSelection",
     "ModeSpec",
     "SelectionMaskUnavailableError",
+    "StareGlobalPolicyLossConfig",
+    "StareSelection",
     "clip_cov_quota",
     "high_entropy_quota",
     "install",
@@ -85,4 +89,5 @@ __all__ = [
     "select_clip_cov_tokens",
     "select_high_entropy_tokens",
     "select_kl_cov_tokens",
+    "select_stare_tokens",
 ]

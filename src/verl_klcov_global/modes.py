@@ -27,13 +27,16 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from .config import (
+    DEFAULT_STARE_REWEIGHT_M,
     ClipCovGlobalPolicyLossConfig,
     HighEntropyGlobalPolicyLossConfig,
     KLCovGlobalPolicyLossConfig,
+    StareGlobalPolicyLossConfig,
     loss_mode_of,
     read_clip_cov_settings,
     read_high_entropy_settings,
     read_kl_cov_settings,
+    read_stare_settings,
 )
 from .layout import MinibatchFields, read_fields
 from .loss import (
@@ -42,14 +45,23 @@ from .loss import (
     KLCovMaskUnavailableError,
     Objective,
     SelectionMaskUnavailableError,
+    StareMaskUnavailableError,
     clip_cov_objective,
     global_policy_loss,
     high_entropy_objective,
     kl_cov_objective,
+    stare_objective,
 )
-from .selection import kl_cov_quota, select_clip_cov_tokens, select_high_entropy_tokens, select_kl_cov_tokens
+from .selection import (
+    kl_cov_quota,
+    select_clip_cov_tokens,
+    select_high_entropy_tokens,
+    select_kl_cov_tokens,
+    select_stare_tokens,
+)
+from .stare_control import stare_update_rule
 
-__all__ = ["CLIP_COV", "HIGH_ENTROPY", "KL_COV", "MODES", "ModeSpec", "Selection", "global_mode_of", "register_mode"]
+__all__ = ["CLIP_COV", "HIGH_ENTROPY", "KL_COV", "MODES", "STARE", "ModeSpec", "Selection", "global_mode_of", "register_mode"]
 
 
 class Selection(Protocol):
@@ -66,6 +78,15 @@ class Selection(Protocol):
 
 #: ``select(fields, settings, group) -> Selection``: one selection over this rank's minibatch and ``group``.
 SelectFn = Callable[[MinibatchFields, Any, Optional[dist.ProcessGroup]], Selection]
+#: ``update_rule(state, entropy, settings) -> (state, step settings, figures)``: a mode's once-per-trainer-step
+#: rule (:mod:`.engine.schedule`). ``state``: the plain dict it kept in the optimizer (None at first); ``entropy``:
+#: the old policy's mean entropy over the trainer step's batch (verl's ``actor/entropy``) at the update's first
+#: optimizer step, None at the others; ``settings``: the configured ones. Returns the dict to keep, the settings
+#: this optimizer step's loss applies, and figures logged under the mode's prefix.
+UpdateRule = Callable[[Optional[dict], Optional[float], Any], tuple[dict, Any, dict[str, float]]]
+#: ``setting_warnings(settings) -> [(name, key, what, fix), ...]``: settings the guardrails warn about
+#: (:mod:`.guardrails`), e.g. ones that make the mode a no-op.
+SettingWarnings = Callable[[Any], list[tuple[str, str, str, str]]]
 
 
 @dataclass(frozen=True)
@@ -110,7 +131,12 @@ class ModeSpec:
       ``ratio_knob`` keeps entropy higher (KL-Cov, Clip-Cov: more tokens penalised or cut), -1 where it
       lowers entropy (the 80/20 rule: more low-entropy tokens train), 0: the mode has no controller;
       ``selection_reach(selection)``: the most tokens a larger ratio could select in that step (the
-      anti-wind-up's upper edge): ``num_valid``, or Clip-Cov's candidates.
+      anti-wind-up's upper edge): ``num_valid``, or Clip-Cov's candidates;
+    * ``update_rule``: a once-per-trainer-step rule on the batch's old-policy entropy (:data:`UpdateRule`; STARE's
+      gate and schedule), None for none. A mode with one reads verl's log-prob pass in every ``prepass_layout``
+      (:attr:`reads_batch_entropy`; the driver refuses ``bypass_mode``, which runs no pass);
+      ``setting_warnings``: the mode's own guardrail warnings (:data:`SettingWarnings`); ``ratio_of``: what
+      ``ratio_knob`` is a fraction of, ``ratio_may_be_zero``: 0 is a valid value (the guardrails' wording).
     """
 
     name: str
@@ -136,6 +162,10 @@ class ModeSpec:
     prepass_reads_entropy: bool = False
     entropy_sign: int = 0
     selection_reach: Callable[[Any], int] = lambda selection: selection.num_valid
+    update_rule: Optional[UpdateRule] = None
+    setting_warnings: Optional[SettingWarnings] = None
+    ratio_of: str = "each optimizer minibatch's valid response tokens"
+    ratio_may_be_zero: bool = False
 
     def __repr__(self) -> str:
         return f"ModeSpec({self.name!r})"
@@ -145,6 +175,11 @@ class ModeSpec:
             raise ValueError(f"{self.config_class.__name__}.loss_mode must default to {self.name!r}")
         if self.entropy_sign not in (-1, 0, 1) or (self.entropy_sign and self.ratio_knob is None):
             raise ValueError(f"{self.name}: entropy_sign must be -1, 0 or +1, and a controlled mode needs a ratio_knob")
+
+    @property
+    def reads_batch_entropy(self) -> bool:
+        """The mode reads the old policy's entropy over the trainer step's batch from verl's log-prob pass."""
+        return self.update_rule is not None
 
     def reads_entropy(self, settings: Any) -> bool:
         """Whether this step's prepass computes the entropy: the selection reads it (``prepass_reads_entropy``)
@@ -220,6 +255,40 @@ def _select_high_entropy(fields: MinibatchFields, settings, group) -> Selection:
     return select_high_entropy_tokens(fields.entropy, fields.response_mask, settings.entropy_top_ratio, group=group)
 
 
+def _select_stare(fields: MinibatchFields, settings, group) -> Selection:
+    return select_stare_tokens(fields.log_probs, fields.response["advantages"], fields.response_mask,
+                               settings.stare_top_ratio, with_negative=settings.with_negative, group=group)
+
+
+def _stare_setting_warnings(settings) -> list[tuple[str, str, str, str]]:
+    """STARE settings that make the mode a no-op, or carry a knob it does not use."""
+    found = []
+    weights = [settings.reweight_w] + ([settings.reweight_m] if settings.with_negative else [])
+    if all(w == 1.0 for w in weights) and not (settings.adaptive and settings.alpha > 0):
+        found.append(("stare-weights-one", "stare_reweight_w",
+                      "every STARE weight is 1 (stare_reweight_w=1" + (", stare_reweight_m=1" if settings.with_negative
+                                                                       else "; variant O1 uses no M")
+                      + ", no schedule): the loss is verl's vanilla plus a prepass",
+                      "Set stare_reweight_w > 1 (the paper's 1.1), or use loss_mode=vanilla"))
+    if settings.stare_top_ratio == 0.0:
+        found.append(("stare-selects-nothing", "stare_top_ratio",
+                      "stare_top_ratio=0 selects no token: the loss is verl's vanilla plus a prepass",
+                      "Set stare_top_ratio to a fraction > 0 (the paper's 0.1), or use loss_mode=vanilla"))
+    if settings.target_entropy <= 0.0:
+        found.append(("stare-gate-never-opens", "stare_target_entropy",
+                      f"stare_target_entropy={settings.target_entropy:g}: the batch's mean entropy is never below it, "
+                      "so the gate never opens and the loss is verl's vanilla plus a prepass (the authors' GRPO "
+                      "baseline script sets this)",
+                      "Set stare_target_entropy > 0 (the paper's 0.3), or use loss_mode=vanilla"))
+    # the default M (0.9, the paper's C2 value) ships with O1 too: warn only for an M someone chose for O1
+    if not settings.with_negative and settings.reweight_m not in (1.0, DEFAULT_STARE_REWEIGHT_M):
+        found.append(("stare-m-unused", "stare_reweight_m",
+                      f"stare_reweight_m={settings.reweight_m:g} is not used by stare_variant=O1, which weights only "
+                      "the surprising A > 0 tokens (W); M weights the surprising A < 0 tokens under variant C2",
+                      "Set stare_variant=C2 to use M, or drop stare_reweight_m"))
+    return found
+
+
 def _count_kl_cov(num_valid: int, policy_loss, metrics: dict) -> int:
     return kl_cov_quota(num_valid, policy_loss.kl_cov_ratio)  # upstream selects exactly its quota
 
@@ -261,4 +330,18 @@ HIGH_ENTROPY = register_mode(ModeSpec(
     # 0.2 is the paper's value, so no units warning; rho = 1 keeps every token: vanilla plus a prepass
     ratio_warning=None, ratio_one_is_vanilla=True,
     entropy_sign=-1,  # a larger rho trains more low-entropy tokens: entropy falls faster (rho = 1 is vanilla)
+))
+STARE = register_mode(ModeSpec(
+    name="stare_global", upstream="stare_per_micro_batch", metric_prefix="actor/stare/",
+    knobs=("stare_top_ratio", "stare_reweight_w", "stare_reweight_m", "stare_variant", "stare_target_entropy",
+           "stare_adaptive", "stare_alpha", "stare_w_max", "stare_m_min", "prepass_layout"),
+    plugin_knobs=("stare_top_ratio", "stare_reweight_w", "stare_reweight_m", "stare_variant", "stare_target_entropy",
+                  "stare_adaptive", "stare_alpha", "stare_w_max", "stare_m_min", "prepass_layout"),
+    read_settings=read_stare_settings, response_fields=("advantages",), select=_select_stare,
+    objective=stare_objective, no_mask_error=StareMaskUnavailableError, config_class=StareGlobalPolicyLossConfig,
+    # Luo et al. 2026 (arXiv:2606.19236): the 10% most surprising tokens of each advantage sign
+    ratio_knob="stare_top_ratio", paper_ratios=(("7B", 0.1),), ratio_warning=None, ratio_may_be_zero=True,
+    ratio_of="each advantage sign's valid response tokens of the optimizer minibatch",
+    # no entropy controller (entropy_sign 0): STARE's gate and schedule are its own entropy feedback
+    update_rule=stare_update_rule, setting_warnings=_stare_setting_warnings,
 ))

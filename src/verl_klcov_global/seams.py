@@ -54,7 +54,7 @@ __all__ = ["GLOBAL_MODE_NAMES", "KNOWN_VERL_VERSIONS", "SEAMS", "Seam", "VerlSea
 KNOWN_VERL_VERSIONS = ("0.8.0", "0.9.1")
 #: The loss modes the package registers (``modes.MODES``' built-in names; ``tests/test_seams.py`` keeps the two
 #: equal). Named here so that a process whose seam check failed can still answer for them.
-GLOBAL_MODE_NAMES = ("kl_cov_global", "clip_cov_global", "high_entropy_global")
+GLOBAL_MODE_NAMES = ("kl_cov_global", "clip_cov_global", "high_entropy_global", "stare_global")
 
 
 class VerlSeamError(ImportError):

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["StareSchedule", "StareState", "initial_state", "update_stare_state"]
+__all__ = ["StareSchedule", "StareState", "initial_state", "stare_update_rule", "update_stare_state"]
 
 
 @dataclass(frozen=True)
@@ -74,3 +74,31 @@ def update_stare_state(state: StareState, entropy: float, schedule: StareSchedul
         w = min(max(w + schedule.alpha * sign, 1.0), schedule.w_max)
         m = min(max(m - schedule.alpha * sign, schedule.m_min), 1.0)
     return replace(state, reweight_w=w, reweight_m=m, gate_on=gate_on, entropy=float(entropy), steps=state.steps + 1)
+
+
+def schedule_of(settings: Any) -> StareSchedule:
+    """The :class:`StareSchedule` of a :class:`verl_klcov_global.config.StareGlobalSettings`."""
+    return StareSchedule(target_entropy=settings.target_entropy, adaptive=settings.adaptive, alpha=settings.alpha,
+                         w_max=settings.w_max, m_min=settings.m_min)
+
+
+def stare_update_rule(stored: Optional[dict[str, Any]], entropy: Optional[float],
+                      settings: Any) -> tuple[dict[str, Any], Any, dict[str, float]]:
+    """``stare_global``'s ``ModeSpec.update_rule``: the state kept in the optimizer (``stored``, None at first), the
+    batch's old-policy entropy at the update's first optimizer step (None at the others: the state is read, not
+    moved), the configured settings -> (the state to keep, the settings the step's loss applies, the figures).
+
+    Without the schedule (``adaptive`` off) W and M are the configured ones at every step, also after a resume with
+    other values; with it the kept W and M move, and a resumed run continues from them."""
+    state = StareState.from_dict(stored) if stored is not None else initial_state(settings.reweight_w,
+                                                                                   settings.reweight_m)
+    if not settings.adaptive:
+        state = replace(state, reweight_w=float(settings.reweight_w), reweight_m=float(settings.reweight_m))
+    if entropy is not None:
+        state = update_stare_state(state, entropy, schedule_of(settings))
+    step_settings = replace(settings, reweight_w=state.reweight_w, reweight_m=state.reweight_m, gate_on=state.gate_on)
+    figures = {"gate_on": float(state.gate_on), "reweight_w_in_use": state.reweight_w,
+               "reweight_m_in_use": state.reweight_m, "target_entropy": float(settings.target_entropy)}
+    if math.isfinite(state.entropy):
+        figures["batch_entropy"] = state.entropy
+    return state.to_dict(), step_settings, figures

@@ -5,6 +5,8 @@
   lies in a window, at most ``clip_cov_ratio`` of them.
 * :mod:`.high_entropy` -- the 80/20 method: the top ``entropy_top_ratio`` fraction of tokens by
   current-policy entropy.
+* :mod:`.stare` -- STARE: the top ``stare_top_ratio`` fraction of each advantage sign's tokens by surprisal
+  ``-log pi``.
 * :mod:`.collectives` -- what every selection shares: exact group-wide means and the
   agreement on the k largest keys, with an exchange that does not grow with k or N.
 * :mod:`.keys` -- sampling keys hashed from (seed, sequence tokens, position).
@@ -29,21 +31,26 @@ from .high_entropy import (
     validate_entropy_top_ratio,
 )
 from .kl_cov import KLCovSelection, kl_cov_quota, select_kl_cov_tokens, validate_kl_cov_ratio
+from .stare import StareSelection, select_stare_tokens, stare_quota, validate_stare_top_ratio
 
 __all__ = [
     "ClipCovSelection",
     "HighEntropySelection",
     "KLCovSelection",
+    "StareSelection",
     "clip_cov_quota",
     "high_entropy_quota",
     "kl_cov_quota",
     "select_clip_cov_tokens",
     "select_high_entropy_tokens",
     "select_kl_cov_tokens",
+    "select_stare_tokens",
+    "stare_quota",
     "validate_clip_cov_ratio",
     "validate_clip_cov_seed",
     "validate_clip_cov_window",
     "validate_clip_ratio",
     "validate_entropy_top_ratio",
     "validate_kl_cov_ratio",
+    "validate_stare_top_ratio",
 ]
