@@ -75,6 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--entropy-top-ratio", type=float,
         help="high_entropy_global's rho, the fraction of tokens kept (default 0.2, the paper's); also the "
              "per-micro-batch comparator's")
+    add("--stare-top-ratio", type=float,
+        help="stare_global's P, the fraction of each advantage sign's tokens weighted, by surprisal (default 0.1, "
+             "the paper's); also its per-micro-batch comparator's (stare_per_micro_batch), as are the next ones")
+    add("--stare-reweight-w", type=float, help="STARE's W on the surprising A > 0 tokens (default 1.1)")
+    add("--stare-reweight-m", type=float, help="STARE's M on the surprising A < 0 tokens, variant C2 (default 0.9)")
+    add("--stare-variant", choices=["O1", "C2"], help="O1 (W only; the default) or C2 (W and M)")
+    add("--stare-target-entropy", type=float,
+        help="stare_global's gate: the weights apply while the batch's mean entropy is below it (default 100: open "
+             "for any model; the comparator always runs with the gate open)")
+    add("--stare-adaptive", action="store_true", help="stare_global's adaptive W/M schedule (default off)")
+    add("--stare-alpha", type=float, help="the schedule's step (default 0.01)")
+    add("--stare-w-max", type=float, help="the schedule's upper bound of W (default 1.5)")
+    add("--stare-m-min", type=float, help="the schedule's lower bound of M (default 0.5)")
     add("--strategy", choices=["fsdp", "fsdp2"], help="default fsdp")
     add("--json", dest="json_path", help="also write the full report as JSON to this file")
     config = diagnose.add_argument_group(
@@ -141,11 +154,14 @@ CONFIG_KEYS = {
     "clip_cov_ub": "actor_rollout_ref.actor.policy_loss.clip_cov_ub",
     "clip_cov_seed": "actor_rollout_ref.actor.policy_loss.clip_cov_seed",
     "entropy_top_ratio": "actor_rollout_ref.actor.policy_loss.entropy_top_ratio",
+    **{knob: f"actor_rollout_ref.actor.policy_loss.{knob}" for knob in (
+        "stare_top_ratio", "stare_reweight_w", "stare_reweight_m", "stare_variant", "stare_adaptive", "stare_alpha",
+        "stare_w_max", "stare_m_min")},
     "strategy": "actor_rollout_ref.actor.strategy",
 }
 _CONFIG_ONLY = ("config_path", "overrides", "max_tokens", "tiny_model")
 #: options that a --config-name run takes too, and copies into the planned DiagnoseOptions
-_RUN_OPTIONS = ("imports", "verbose")
+_RUN_OPTIONS = ("imports", "verbose", "stare_target_entropy")
 #: options of sampled responses, which --config-name does not take: its plan scales the config's lengths and token
 #: budgets to rows of random ids (a model's own responses have the chat template's and their own lengths)
 _SAMPLING_OPTIONS = ("responses", "samples_per_prompt", "temperature")

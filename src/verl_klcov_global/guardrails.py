@@ -41,6 +41,19 @@ trainer config combines them with the rest of verl's config (verl 0.9.1 read for
   entropy (``ModeSpec.reads_entropy``) on a trainer whose log-prob pass the plugin does not keep
   (:data:`OLD_POLICY_ENTROPY_TRAINERS`: the legacy and v1 sync trainers are).
 
+* ``batch-entropy-without-log-prob-pass`` (error): a mode with a once-per-trainer-step rule
+  (``ModeSpec.update_rule``: ``stare_global``'s gate) with ``bypass_mode=True``: no actor log-prob pass runs,
+  so there is no batch entropy (verl's ``actor/entropy`` is not computed either).
+* ``batch-entropy-not-kept`` (error): such a mode on a trainer whose log-prob pass the plugin does not see
+  (:data:`OLD_POLICY_ENTROPY_TRAINERS`).
+* ``update-rule-not-checkpointed`` (warning): such a mode's state (STARE's gate, W and M) travels with the
+  optimizer, and ``optimizer`` is not in ``checkpoint.save_contents`` / ``load_contents``.
+* ``update-rule-during-critic-warmup`` (warning): ``trainer.critic_warmup > 0`` with a rule that moves state
+  (STARE's adaptive W/M): verl runs log-prob passes without actor updates during the warm-up; the rule steps
+  once per actor update (the fork's controller also steps at the warm-up's steps).
+* the mode's own warnings (``ModeSpec.setting_warnings``; ``stare_global``: ``stare-weights-one``,
+  ``stare-selects-nothing``, ``stare-gate-never-opens``, ``stare-m-unused``).
+
 Which mode gets which finding is read from the table of modes (:mod:`.modes`), never from a mode's name.
 
 :func:`findings` is pure: raw (unresolved-or-resolved) ``DictConfig`` in, :class:`Finding` list
@@ -219,8 +232,8 @@ def _percentage_findings(config: Any, spec: ModeSpec) -> list[Finding]:
     paper = f"; the paper uses {_paper_text(spec)}" if spec.paper_ratios else ""
     return [Finding(
         ERROR, "ratio-is-percentage", f"{POLICY_LOSS}.{knob}",
-        f"{knob}={value:g} is more than 1, but {knob} is a fraction of each optimizer minibatch's valid response "
-        f"tokens in (0, 1] (0.2 selects 20% of them), not a percentage{paper}",
+        f"{knob}={value:g} is more than 1, but {knob} is a fraction of {spec.ratio_of} in "
+        f"{'[0, 1]' if spec.ratio_may_be_zero else '(0, 1]'} (0.2 selects 20% of them), not a percentage{paper}",
         f"If you meant {value:g}% set {POLICY_LOSS}.{knob}={value / 100:g}")]
 
 
@@ -346,6 +359,51 @@ def _old_policy_findings(config: Any, spec: ModeSpec) -> list[Finding]:
     return []
 
 
+def _update_rule_findings(config: Any, spec: ModeSpec) -> list[Finding]:
+    if not spec.reads_batch_entropy:
+        return []
+    try:
+        settings = spec.read_settings(OmegaConf.select(config, ACTOR))
+    except ValueError:
+        return []  # a bad knob: the knob check (driver.check_trainer_config) names it
+    mode = spec.name
+    reads = (f"loss_mode={mode} reads, once per trainer step, the old policy's mean entropy over the step's batch "
+             "(verl's actor/entropy) from the actor's log-prob pass")
+    if _bypass(config):
+        return [Finding(
+            ERROR, "batch-entropy-without-log-prob-pass", f"{ROLLOUT_CORRECTION}.bypass_mode",
+            f"{reads}, and {ROLLOUT_CORRECTION}.bypass_mode=True runs no such pass (the old log-probs are the "
+            "rollout's)", f"Set {ROLLOUT_CORRECTION}.bypass_mode=False")]
+    kind = trainer_kind(config)
+    if kind not in OLD_POLICY_ENTROPY_TRAINERS:
+        return [Finding(
+            ERROR, "batch-entropy-not-kept", "trainer.v1.trainer_mode",
+            f"{reads}, which the plugin sees on the legacy and the v1 sync trainers only, and this is the v1 "
+            f"{kind} trainer", "Use trainer.use_v1=False or trainer.v1.trainer_mode=sync")]
+    found = [Finding(WARNING, name, f"{POLICY_LOSS}.{key}", what, fix + ". The run goes on")
+             for name, key, what, fix in (spec.setting_warnings(settings) if spec.setting_warnings else [])]
+    contents = [_get(config, f"{ACTOR}.checkpoint.{key}", ["model", "optimizer", "extra"])
+                for key in ("save_contents", "load_contents")]
+    if any(isinstance(c, (list, tuple)) and "optimizer" not in c for c in contents):
+        found.append(Finding(
+            WARNING, "update-rule-not-checkpointed", f"{ACTOR}.checkpoint.save_contents",
+            f"loss_mode={mode} keeps its per-trainer-step state (e.g. STARE's gate and its W and M) in the actor's "
+            f"optimizer, and 'optimizer' is not in {ACTOR}.checkpoint.save_contents / load_contents: a resumed run "
+            "starts it again from the configured values",
+            f"Keep 'optimizer' in {ACTOR}.checkpoint.save_contents and load_contents (verl's default) for an exact "
+            "resume. The run goes on"))
+    warmup = _get(config, "trainer.critic_warmup", 0)
+    if getattr(settings, "adaptive", False) and isinstance(warmup, int) and warmup > 0:
+        found.append(Finding(
+            WARNING, "update-rule-during-critic-warmup", "trainer.critic_warmup",
+            f"trainer.critic_warmup={warmup}: verl runs the actor's log-prob pass but no actor update for the first "
+            f"{warmup} steps, and {mode}'s schedule steps once per actor update, so W and M start moving after the "
+            "warm-up (the authors' controller also steps during it)",
+            "Set trainer.critic_warmup=0 (GRPO needs no critic), or expect the schedule to start later. The run goes "
+            "on"))
+    return found
+
+
 def findings(config: Any) -> list[Finding]:
     """Every whole-config finding for a composed trainer config (``DictConfig``); [] unless it selects a
     global loss mode. Errors first. Reads ``actor_rollout_ref.actor``, ``data``, ``trainer`` and
@@ -356,7 +414,7 @@ def findings(config: Any) -> list[Finding]:
         return []
     found = (_bypass_findings(config, mode) + _on_policy_findings(config, mode) + _percentage_findings(config, mode)
              + _ratio_findings(config, mode) + _keeps_all_findings(config, mode) + _controller_findings(config, mode)
-             + _old_policy_findings(config, mode))
+             + _old_policy_findings(config, mode) + _update_rule_findings(config, mode))
     return sorted(found, key=lambda f: f.severity != ERROR)
 
 

@@ -112,16 +112,22 @@ def test_unselected_tokens_get_exactly_zero_loss_and_gradient_and_all_tokens_cou
 
 @pytest.mark.slow  # a fresh interpreter importing verl: ~13 s
 def test_only_the_lab_registers_it_never_the_plugin():
+    """Both comparators: high_entropy_per_micro_batch and stare_per_micro_batch."""
     code = (
         "import verl, verl_klcov_global\n"
         "from verl_klcov_global import plugin\n"
         "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R\n"
         "plugin.install()\n"
         "assert 'high_entropy_per_micro_batch' not in R, 'the plugin registered the lab comparator'\n"
+        "assert 'stare_per_micro_batch' not in R, 'the plugin registered the STARE comparator'\n"
         "from verl_klcov_global.lab import per_micro_batch\n"
         "assert 'high_entropy_per_micro_batch' not in R, 'importing the lab registered it'\n"
+        "assert 'stare_per_micro_batch' not in R, 'importing the lab registered the STARE comparator'\n"
         "per_micro_batch.register_comparator()\n"
         "assert R['high_entropy_per_micro_batch'] is per_micro_batch.compute_policy_loss_high_entropy_per_micro_batch\n"
+        "assert 'stare_per_micro_batch' not in R, 'registering one comparator registered the other'\n"
+        "per_micro_batch.register_stare_comparator()\n"
+        "assert R['stare_per_micro_batch'] is per_micro_batch.compute_policy_loss_stare_per_micro_batch\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -4,7 +4,9 @@ Runs the harness's :mod:`verl_klcov_global.lab.experiment` over a few blocks for
 penalty-free control) and, for every global mode of the plugin (``loss_mode="all"``, the
 default) or one of them, the mode and its verl counterpart (the name without ``_global``):
 ``kl_cov`` / ``kl_cov_global`` (and ``kl_cov_global[prepass=train]``), ``clip_cov`` /
-``clip_cov_global``. It reports, per mode, the tokens selected under each layout, whether the
+``clip_cov_global``; for ``high_entropy_global`` and ``stare_global``, which verl has no counterpart of, the lab's
+comparators of the authors' per-micro-batch rules (``high_entropy_per_micro_batch``, ``stare_per_micro_batch``,
+:mod:`verl_klcov_global.lab.per_micro_batch`). It reports, per mode, the tokens selected under each layout, whether the
 masks agree and the largest parameter difference between the layouts relative to the control.
 Clip-Cov modes run the second layout twice, the second time with torch's generators in another
 state (as a later step of a run finds them): upstream ``clip_cov`` draws with an unseeded
@@ -57,6 +59,18 @@ class DiagnoseOptions:
     clip_cov_seed: int = 0
     #: high_entropy_global's rho (the fraction of tokens kept), also its per-micro-batch comparator's
     entropy_top_ratio: float = 0.2
+    #: stare_global's knobs, also its per-micro-batch comparator's (``stare_per_micro_batch``): the paper's P, W, M
+    #: and variant; the gate's target far above any model's entropy (ln of its vocabulary), so the gate is open and
+    #: the weights apply in the one update per layout (the comparator always runs with the gate open)
+    stare_top_ratio: float = 0.1
+    stare_reweight_w: float = 1.1
+    stare_reweight_m: float = 0.9
+    stare_variant: str = "O1"
+    stare_target_entropy: float = 100.0
+    stare_adaptive: bool = False
+    stare_alpha: float = 0.01
+    stare_w_max: float = 1.5
+    stare_m_min: float = 0.5
     # Set by ``--config-name`` (diagnose/user_config.py); the defaults are diagnose's own behaviour.
     #: the N-micro-batch layout given directly (static: sequences per micro-batch; dynamic: token
     #: budget) instead of derived from ``micro_batches``, which then only names it
@@ -89,7 +103,8 @@ class DiagnoseOptions:
     #: ``--verbose``: verl's own warnings and logs are shown (at import and while the engines work)
     verbose: bool = False
     #: the entropy controller's knobs (``entropy_target``, ``entropy_control_*``) of the user's config, given to
-    #: every global mode's config class (``--config-name``); empty: the controller off
+    #: every global mode's config class whose mode it drives (``ModeSpec.entropy_sign``: not STARE's)
+    #: (``--config-name``); empty: the controller off
     entropy_control: dict = field(default_factory=dict)
     #: the minibatch's tokens: ``sampled`` from the model (its chat template on the built-in arithmetic prompts,
     #: ``response_len`` new tokens at most, stopped at EOS; lab/sampling.py), ``random`` ids (the embedded tiny
@@ -153,6 +168,12 @@ def validate(options: DiagnoseOptions) -> DiagnoseOptions:
         for mode, spec in MODES.items():  # each mode's config class validates its knobs and the actor fields
             if spec.config_class is not None and not measured:
                 _actor_config(options, mode)
+        for mode in global_modes_of(options):  # what only the loss reads (stare_global: the aggregation mode)
+            try:
+                MODES[mode].read_settings(_actor_config(options, mode))
+            except ValueError as error:
+                raise ValueError(f"{mode}: {error}" + ("; or diagnose another mode with --loss-mode"
+                                                       if options.loss_mode == "all" else "")) from None
         for loss in measured:
             _actor_config(options, loss)
     except ValueError as error:
@@ -271,8 +292,9 @@ def _actor_config(options: DiagnoseOptions, mode: str):
     spec, forced_layout = variant_of(mode)
     if spec is not None:
         knobs = {key: getattr(options, key) for key in spec.knobs if key != "prepass_layout"}
-        policy_loss = spec.config_class(prepass_layout=forced_layout or options.prepass_layout, **knobs,
-                                        **options.entropy_control)
+        # the entropy controller's knobs go to the modes it drives (entropy_sign != 0: STARE has its own feedback)
+        control = options.entropy_control if spec.entropy_sign else {}
+        policy_loss = spec.config_class(prepass_layout=forced_layout or options.prepass_layout, **knobs, **control)
         return _tiny.make_actor_config(policy_loss=policy_loss, **actor)
     if mode in measured_losses_of(options):
         return _tiny.make_actor_config(policy_loss=_measured_policy_loss(options, mode), **actor)
@@ -640,6 +662,11 @@ def format_report(report: dict) -> str:
     knobs = (f"kl_cov_ratio {options['kl_cov_ratio']} | ppo_kl_coef {options['ppo_kl_coef']} | "
              f"clip_cov ratio {options['clip_cov_ratio']}, window ({options['clip_cov_lb']}, {options['clip_cov_ub']}), "
              f"seed {options['clip_cov_seed']} | entropy_top_ratio {options.get('entropy_top_ratio', 0.2)}")
+    if any(name.startswith("stare_") for name in report["modes"]):
+        knobs += (f" | stare top_ratio {options['stare_top_ratio']}, W {options['stare_reweight_w']}"
+                  + (f", M {options['stare_reweight_m']}" if options["stare_variant"] == "C2" else "")
+                  + f", {options['stare_variant']}, target entropy {options['stare_target_entropy']:g}"
+                  + (f", adaptive (alpha {options['stare_alpha']})" if options["stare_adaptive"] else ""))
     if report.get("measured_losses"):
         knobs = (f"policy_loss: your config's ({(options.get('policy_loss') or {}).get('_target_')})"
                  if options.get("policy_loss") else f"policy_loss: verl's PolicyLossConfig, kl_cov_ratio "

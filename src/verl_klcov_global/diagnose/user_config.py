@@ -377,6 +377,31 @@ def scale_shape(full: Shape, micro_batches: int, max_tokens: int) -> Shape:
     return Shape(sequences, prompt, response)
 
 
+def _stare_knobs(r, take) -> dict[str, Any]:
+    """stare_global's knobs for a plan that diagnoses it: the config's, else the plugin's defaults; the gate's target
+    is diagnose's own (open: :class:`.run.DiagnoseOptions`), since the point is the update with the weights on."""
+    from .. import config as c
+
+    defaults = {"stare_top_ratio": c.DEFAULT_STARE_TOP_RATIO, "stare_reweight_w": c.DEFAULT_STARE_REWEIGHT_W,
+                "stare_reweight_m": c.DEFAULT_STARE_REWEIGHT_M, "stare_variant": c.DEFAULT_STARE_VARIANT,
+                "stare_adaptive": False, "stare_alpha": c.DEFAULT_STARE_ALPHA, "stare_w_max": c.DEFAULT_STARE_W_MAX,
+                "stare_m_min": c.DEFAULT_STARE_M_MIN}
+    knobs = {}
+    for knob, default in defaults.items():
+        key = f"{POLICY_LOSS}.{knob}"
+        knobs[knob] = (take(knob, key) if r.get(key) is not None else
+                       take(knob, key, default, source=SOURCE_DEFAULT, note="not in your policy_loss: the plugin's default"))
+    key = f"{POLICY_LOSS}.stare_target_entropy"
+    target = DiagnoseOptions.stare_target_entropy
+    knobs["stare_target_entropy"] = take(
+        "stare_target_entropy", key, target, source=SOURCE_DEFAULT,
+        yours=r.get(key) if r.get(key) != target else None,
+        note="diagnose keeps STARE's gate open (a target above any model's entropy): the gate is once per trainer "
+             "step, the same for every micro-batching, and shut it would leave nothing to compare; "
+             "--stare-target-entropy sets it")
+    return knobs
+
+
 def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tokens: Optional[int] = None,
                      device: Optional[str] = None, tiny_model: bool = False, blocks: Optional[int] = None,
                      seed: int = 0, loss_mode: Optional[str] = None, json_path: Optional[str] = None,
@@ -481,6 +506,8 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
         else:
             knobs[knob] = take(knob, key, default, source=SOURCE_DEFAULT,
                                note="not in your policy_loss: the plugin's default")
+    if policy_loss is None and loss_mode in ("all", "stare_global"):
+        knobs.update(_stare_knobs(r, take))
     entropy_control = {}
     if policy_loss is not None:
         pass  # the plugin's entropy controller drives the table's modes only: no rows for a loss outside it

@@ -33,6 +33,8 @@ from ..modes import MODES, ModeSpec
 LAB_UPSTREAMS: dict[str, tuple[Callable[[], str], type]] = {
     _per_micro_batch.COMPARATOR: (_per_micro_batch.register_comparator,
                                   _per_micro_batch.HighEntropyPerMicroBatchPolicyLossConfig),
+    _per_micro_batch.STARE_COMPARATOR: (_per_micro_batch.register_stare_comparator,
+                                        _per_micro_batch.StarePerMicroBatchPolicyLossConfig),
 }
 #: Upstream rules that read each micro-batch's entropy (the engine computes it for them: ``calculate_entropy``).
 ENTROPY_UPSTREAMS = (_per_micro_batch.COMPARATOR,)
@@ -187,8 +189,9 @@ def _counting_ppo_loss(counter: list, config, model_output, data, dp_group=None)
     :func:`.per_micro_batch.ppo_loss_with_entropy` and report their own count."""
     counts = upstream_counts(config.policy_loss.loss_mode)
     loss, metrics = _per_micro_batch.ppo_loss_with_entropy(config, model_output, data, dp_group)
-    if _per_micro_batch.SELECTED_METRIC in metrics:
-        selected = metrics[_per_micro_batch.SELECTED_METRIC]
+    reported = next((name for name in _per_micro_batch.SELECTED_METRICS if name in metrics), None)
+    if reported is not None:
+        selected = metrics[reported]
         counter.append(round(float(selected.values[0] if hasattr(selected, "values") else selected)))
     elif counts is not None and counts.count_upstream_selected is not None:
         counter.append(counts.count_upstream_selected(int(data["response_mask"].sum()), config.policy_loss, metrics))
@@ -233,16 +236,16 @@ def one_update(engine_spec: EngineSpec, batch: TensorDict, actor_config, layout:
 
 
 def hold_old_policy_pass(engine, td: TensorDict, actor_config) -> None:
-    """For ``prepass_layout=old`` with a step that reads entropy: the log-prob pass verl's trainer would run before
-    the update (``calculate_entropy=True``, here on the fresh engine: pi_old), held by the plugin for the update
-    as PATCH ``log_prob_pass_context`` holds verl's (``engine/reuse.py``). Nothing for any other config.
+    """The log-prob pass verl's trainer would run before the update (``calculate_entropy=True``, here on the fresh
+    engine: pi_old), seen by the plugin as PATCH ``log_prob_pass_context`` sees verl's (``engine/reuse.py``), where
+    the config reads it: ``prepass_layout=old`` with a step that reads entropy (held for the update), or a mode with
+    a once-per-trainer-step rule (``ModeSpec.update_rule``: STARE's gate reads the batch's entropy). Nothing for any
+    other config.
 
     The pass is micro-batched with the engine's log-prob inference settings, as verl's ``TrainingWorker.infer_batch``
     does, never with the training layout's: the held statistics are then one computation for every training layout
     diagnose compares (where a row's last bits follow its micro-batch company they would otherwise differ, and a
     near-tie of the selection could flip)."""
-    from verl.utils import tensordict_utils as tu
-
     from ..config import OLD_POLICY_LAYOUT
     from ..engine import reuse
     from ..modes import global_mode_of
@@ -251,16 +254,29 @@ def hold_old_policy_pass(engine, td: TensorDict, actor_config) -> None:
     if mode is None:
         return
     settings = mode.read_settings(actor_config)
-    if settings.prepass_layout != OLD_POLICY_LAYOUT or not mode.reads_entropy(settings):
+    hold = settings.prepass_layout == OLD_POLICY_LAYOUT and mode.reads_entropy(settings)
+    if not hold and not mode.reads_batch_entropy:
         return
+    log_prob_pass(engine, td, reuse.log_prob_pass(engine, keep_entropy=True, hold=True, keep=hold,
+                                                  batch_entropy=mode.reads_batch_entropy))
+
+
+def log_prob_pass(engine, td: TensorDict, context=None) -> TensorDict:
+    """verl's actor log-prob pass on ``td`` (``compute_log_prob``: ``calculate_entropy=True``, the engine's log-prob
+    inference micro-batching, eval mode), inside ``context`` (a :func:`verl_klcov_global.engine.reuse.log_prob_pass`
+    block, or none); returns its outputs (``model_output`` with nested ``log_probs`` and ``entropy``)."""
+    import contextlib
+
+    from verl.utils import tensordict_utils as tu
+
     data = td.copy()
     tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False)
     if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=False):
         tu.assign_non_tensor(data, max_token_len_per_gpu=engine.engine_config.infer_max_token_len_per_gpu)
     else:
         tu.assign_non_tensor(data, micro_batch_size_per_gpu=engine.engine_config.infer_micro_batch_size_per_gpu)
-    with reuse.log_prob_pass(engine, keep_entropy=True, hold=True), engine.eval_mode():
-        engine.infer_batch(data)
+    with context or contextlib.nullcontext(), engine.eval_mode():
+        return engine.infer_batch(data)
 
 
 def _release(engine) -> None:

@@ -1,4 +1,12 @@
-"""The authors' high-entropy rule, per micro-batch: the comparator of ``high_entropy_global`` (lab only).
+"""The authors' per-micro-batch rules, the lab's comparators of the global modes that have no verl counterpart.
+
+Two comparators, each registered in verl's ``POLICY_LOSS_REGISTRY`` in-process by the lab (``diagnose``, the
+experiment, the research harness), never by the plugin or its entry point:
+
+* :data:`COMPARATOR` (``high_entropy_per_micro_batch``), ``high_entropy_global``'s: below;
+* :data:`STARE_COMPARATOR` (``stare_per_micro_batch``), ``stare_global``'s: section "STARE" further down.
+
+High-entropy rule (``high_entropy_per_micro_batch``).
 
 *Beyond the 80/20 Rule* (arXiv:2506.01939) keeps the PPO-clip loss only on the top ρ of tokens
 by entropy. Every implementation people run takes that threshold per training micro-batch; this
@@ -25,23 +33,33 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Optional
 
 import torch
 from verl.workers.config import PolicyLossConfig
+
+from .. import config as _config
 
 __all__ = [
     "COMPARATOR",
     "HighEntropyPerMicroBatchPolicyLossConfig",
     "MicroBatchEntropyUnavailableError",
     "SELECTED_METRIC",
+    "SELECTED_METRICS",
+    "STARE_COMPARATOR",
+    "STARE_GATE_METRIC",
+    "STARE_SELECTED_METRIC",
+    "StarePerMicroBatchPolicyLossConfig",
     "THRESHOLD_METRIC",
     "compute_policy_loss_high_entropy_per_micro_batch",
+    "compute_policy_loss_stare_per_micro_batch",
     "per_micro_batch_entropy_mask",
+    "per_micro_batch_stare_mask",
     "ppo_loss_with_entropy",
     "provide_micro_batch_entropy",
     "register_comparator",
+    "register_stare_comparator",
 ]
 
 #: The lab-only loss name of the per-micro-batch rule (``policy_loss.loss_mode``).
@@ -167,3 +185,132 @@ def ppo_loss_with_entropy(config, model_output, data, dp_group=None):
         )
     with provide_micro_batch_entropy(no_padding_2_padding(entropy, data).detach()):
         return ppo_loss(config, model_output, data, dp_group)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# STARE
+
+
+#: The lab-only loss name of STARE's per-loss-call rule, ``stare_global``'s comparator (``policy_loss.loss_mode``).
+STARE_COMPARATOR = "stare_per_micro_batch"
+#: Tokens the rule weighted in one micro-batch (``L+ | L-``), and the gate it applied (1 open, 0 closed).
+STARE_SELECTED_METRIC = f"actor/{STARE_COMPARATOR}/selected_in_micro_batch"
+STARE_GATE_METRIC = f"actor/{STARE_COMPARATOR}/gate_on"
+#: Every lab comparator's selected-count metric (what the lab's counting loss function reads).
+SELECTED_METRICS = (SELECTED_METRIC, STARE_SELECTED_METRIC)
+
+
+@dataclass
+class StarePerMicroBatchPolicyLossConfig(PolicyLossConfig):
+    """verl's ``PolicyLossConfig`` plus ``stare_global``'s knobs (the same names, defaults and validation:
+    :func:`verl_klcov_global.config.validate_stare_knobs`), for the comparator. The schedule's knobs
+    (``stare_adaptive``, ``stare_alpha``, ``stare_w_max``, ``stare_m_min``) and ``stare_target_entropy`` are carried
+    and validated but not read: the comparator has no gate or schedule of its own (:func:`per_micro_batch_stare_mask`).
+    """
+
+    loss_mode: str = STARE_COMPARATOR
+    stare_top_ratio: float = _config.DEFAULT_STARE_TOP_RATIO
+    stare_reweight_w: float = _config.DEFAULT_STARE_REWEIGHT_W
+    stare_reweight_m: float = _config.DEFAULT_STARE_REWEIGHT_M
+    stare_variant: str = _config.DEFAULT_STARE_VARIANT
+    stare_target_entropy: float = _config.DEFAULT_STARE_TARGET_ENTROPY
+    stare_adaptive: bool = False
+    stare_alpha: float = _config.DEFAULT_STARE_ALPHA
+    stare_w_max: float = _config.DEFAULT_STARE_W_MAX
+    stare_m_min: float = _config.DEFAULT_STARE_M_MIN
+
+    def __post_init__(self):
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+        _config.validate_stare_knobs(self)
+
+
+def per_micro_batch_stare_mask(log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+                               top_ratio: float, with_negative: bool):
+    """The fork's selection on one loss call's tensors: :func:`verl_klcov_global.selection.stare.select_stare_tokens`
+    with no group, i.e. per set of ``n`` candidates of this micro-batch ``k = min(n, max(1, int(n * P + 0.999999)))``
+    (:func:`~verl_klcov_global.selection.stare.stare_quota`) most surprising tokens (``-log_prob``, detached).
+
+    Ties at the k-th surprisal: the fork's ``torch.topk`` leaves the order unspecified; here (row, position) within
+    the micro-batch, deterministic. Tokens with a non-finite log-prob or advantage are never selected (the fork
+    would rank a NaN surprisal as largest). Returns the :class:`~verl_klcov_global.selection.stare.StareSelection`."""
+    from ..selection.stare import select_stare_tokens
+
+    return select_stare_tokens(log_prob.detach(), advantages.detach(), response_mask, top_ratio,
+                               with_negative=with_negative, group=None)
+
+
+def _stare_settings_of(config: Any):
+    """The comparator's settings: ``stare_global``'s reader on the actor config (knobs, clip range, dual-clip
+    bound; W and M as configured, the gate open), then the step settings (gate, W, M) a
+    :func:`verl_klcov_global.loss.provide_selection_mask` block around this call hands the loss, if one does."""
+    from .. import loss as _loss
+
+    try:
+        settings = _config.read_stare_settings(config)
+    except ValueError as error:
+        raise ValueError(f"{STARE_COMPARATOR}: {error}; use StarePerMicroBatchPolicyLossConfig") from None
+    provided = _loss.provided_selection()
+    step = None if provided is None else provided.settings
+    if step is not None and all(hasattr(step, key) for key in ("gate_on", "reweight_w", "reweight_m")):
+        settings = replace(settings, gate_on=bool(step.gate_on), reweight_w=float(step.reweight_w),
+                           reweight_m=float(step.reweight_m))
+    return settings
+
+
+def compute_policy_loss_stare_per_micro_batch(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """STARE as the authors run it (hp-luo/STARE ``compute_policy_loss_stare``, core_algos.py l.1201-1293 at
+    bffb9e7), as a verl policy loss: the selection inside each loss call, i.e. per training micro-batch, which is
+    what ``stare_global`` fixes.
+
+    * Selection: :func:`per_micro_batch_stare_mask` on this call's ``log_prob`` (the training forward's, as the
+      fork's ``compute_stare_token_weights`` reads it): ``L+`` the top ``stare_top_ratio`` of the ``A > 0`` tokens by
+      surprisal, and with ``stare_variant=C2`` ``L-`` of the ``A < 0`` tokens, each quota per micro-batch;
+    * loss: :func:`verl_klcov_global.loss.stare_objective` on that mask (verl's ``vanilla`` dual-clip surrogate times
+      ``omega``: W on ``L+``, M on ``L-``, 1 elsewhere), times ``rollout_is_weights``, aggregated with verl's
+      ``agg_loss(..., **config.global_batch_info)``: ``stare_global``'s loss, only the selection differs;
+    * gate and weights: the fork reads them from its trainer's ``STAREController`` (once per trainer step, from the
+      batch's mean entropy) and, without it, applies the configured W and M with the gate open (l.1132-1142). The
+      comparator does the latter: configured W and M, gate open, so ``stare_target_entropy`` and the schedule's
+      knobs are not read. Called inside a :func:`verl_klcov_global.loss.provide_selection_mask` block that carries
+      step settings (as ``stare_global``'s loss is in the engine), it applies their gate, W and M instead, so the
+      two can be compared under one trainer step's rule. The lab runs the comparator outside any such block.
+
+    Metrics: ``vanilla``'s (``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``),
+    :data:`STARE_SELECTED_METRIC` (``|L+| + |L-|`` in this micro-batch) and :data:`STARE_GATE_METRIC`.
+    """
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    from ..loss import stare_objective
+
+    settings = _stare_settings_of(config)
+    selection = per_micro_batch_stare_mask(log_prob, advantages, response_mask, settings.stare_top_ratio,
+                                           settings.with_negative)
+    pg_losses, metrics = stare_objective(old_log_prob, log_prob, advantages, response_mask, selection.mask, settings)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
+                       **config.global_batch_info)
+    metrics = dict(metrics)
+    metrics[STARE_SELECTED_METRIC] = float(selection.num_selected)
+    metrics[STARE_GATE_METRIC] = float(settings.gate_on)
+    return pg_loss, metrics
+
+
+def register_stare_comparator() -> str:
+    """Register :data:`STARE_COMPARATOR` in verl's ``POLICY_LOSS_REGISTRY`` in this process (idempotent); returns its
+    name. The lab's, never the plugin's (as :func:`register_comparator`)."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
+
+    if POLICY_LOSS_REGISTRY.get(STARE_COMPARATOR) is not compute_policy_loss_stare_per_micro_batch:
+        register_policy_loss(STARE_COMPARATOR)(compute_policy_loss_stare_per_micro_batch)
+    return STARE_COMPARATOR
