@@ -9,8 +9,8 @@ rewarded by the fraction of response tokens in a target set. GRPO, 8 prompts x 8
 tokens per step, 2 minibatches x 2 PPO epochs (4 optimizer steps per trainer step: KL-Cov acts from
 the second one on, off-policy), SGD lr 0.03, fp32, CPU. Every loss mode (vanilla, ``kl_cov``,
 ``kl_cov_global``, ``clip_cov``, ``clip_cov_global``, the authors' high-entropy rule per micro-batch
-``high_entropy_per_micro_batch`` (the lab's comparator) and ``high_entropy_global``) at
-``ppo_micro_batch_size_per_gpu`` 1 and 4.
+``high_entropy_per_micro_batch`` (the lab's comparator), ``high_entropy_global`` and ``stare_global``, once with
+its default gate target and once with the gate open at every step) at ``ppo_micro_batch_size_per_gpu`` 1 and 4.
 At 1, each of upstream's loss calls sees one sequence, whose GRPO advantage is constant: every
 covariance is 0 there.
 
@@ -23,7 +23,8 @@ two micro-batch sizes, step by step, against vanilla's own difference (its float
 Knobs: ``kl_cov_ratio`` 0.1 and ``ppo_kl_coef`` 1 (the toy the issue quotes; the paper's 0.002 would
 select 1 token of a 256-token minibatch: the quota floor), ``clip_cov_ratio`` 0.1 and the window
 (0, 5) (verl's default lower bound 1 leaves no candidate while the policy is near uniform:
-covariances start near 0), ``entropy_top_ratio`` 0.2 (the paper's).
+covariances start near 0), ``entropy_top_ratio`` 0.2 (the paper's), STARE's knobs its config class's defaults
+(:data:`STARE_KNOBS`, the paper's; :data:`STARE_TARGETS`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ import time
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from .local_trainer import LOSS_MODES, RunConfig, RunResult, config_fields, run_local
+from .local_trainer import LOSS_MODES, RunConfig, RunResult, compose_config, run_local, trainer_overrides
+from .local_trainer import config_fields as trainer_config_fields
 from .study_cli import (
     add_output_arguments, add_run_arguments, load_pyplot, new_parser, redraw_from_json,
     run_in_jobs, run_pending, save_figure, write_outputs,
@@ -49,13 +51,72 @@ MICRO_BATCH_SIZES = (1, 4)
 NOISE_FACTOR = 10.0
 ENTROPY, REWARD = "actor/entropy", "critic/score/mean"
 PREFIXES = {"kl_cov_global": "actor/kl_cov/", "clip_cov_global": "actor/clip_cov/",
-            "high_entropy_global": "actor/high_entropy/"}
-COUNTS = ("quota", "selected", "clipped", "candidates", "valid_tokens", "nonfinite_tokens")
+            "high_entropy_global": "actor/high_entropy/", "stare_global": "actor/stare/"}
+COUNTS = ("quota", "selected", "clipped", "candidates", "valid_tokens", "nonfinite_tokens",
+          "selected_positive", "selected_negative", "candidates_positive", "candidates_negative")
 COVARIANCE = ("cov_mean", "selected_cov_mean", "selected_cov_share")
 #: high_entropy_global's selection figures (minibatch-global, per optimizer step, logged like the covariance ones)
 ENTROPY_FIGURES = ("entropy_threshold", "entropy_mean", "selected_entropy_mean", "selected_entropy_share")
 #: The authors' per-micro-batch rule (the lab's comparator) logs the tokens it kept in each micro-batch.
 COMPARATOR_SELECTED = "actor/high_entropy_per_micro_batch/selected_in_micro_batch"
+
+STARE = "stare_global"
+#: stare_global's knobs, fixed before its runs: ``StareGlobalPolicyLossConfig``'s defaults (the paper's), no schedule.
+STARE_KNOBS = {"stare_top_ratio": 0.1, "stare_reweight_w": 1.1, "stare_reweight_m": 0.9, "stare_variant": "O1",
+               "stare_adaptive": False}
+#: The gate's target of the plain ``stare_global`` row: the config class's default (the paper's 0.3 nats).
+STARE_DEFAULT_TARGET = 0.3
+#: The second STARE row's target: above ln 64 = 4.159, the largest entropy a policy over 64 ids can have, so the gate
+#: is open at every step (STARE's reweighting without its gate). A row of its own, named :func:`row_of` says.
+STARE_OPEN_TARGET = 4.2
+STARE_TARGETS = (STARE_DEFAULT_TARGET, STARE_OPEN_TARGET)
+#: stare_global's figures beside its counts: the rule's (per trainer step) and the selection's (per optimizer step)
+STARE_FIGURES = ("gate_on", "batch_entropy", "reweight_w_in_use", "reweight_m_in_use", "target_entropy",
+                 "surprisal_mean", "selected_surprisal_share")
+
+
+def config_fields(run: RunConfig) -> dict:
+    """:func:`.local_trainer.config_fields` without STARE's knobs: the report's ``config`` is the runs' shared
+    settings, as before STARE's rows (their knobs go under the report's ``stare``)."""
+    fields = trainer_config_fields(run)
+    fields.pop("stare_knobs", None)
+    return fields
+
+
+def learning_run(base: RunConfig, mode: str, micro_batch_size: int, *, stare_target: Optional[float] = None,
+                 **changes) -> RunConfig:
+    """``base`` as ``mode`` at ``micro_batch_size``; a ``stare_global`` run gets :data:`STARE_KNOBS` and the gate's
+    target ``stare_target`` (default :data:`STARE_DEFAULT_TARGET`)."""
+    if mode != STARE:
+        if stare_target is not None:
+            raise ValueError(f"stare_target is stare_global's knob, not {mode}'s")
+        return replace(base, loss_mode=mode, micro_batch_size=micro_batch_size, **changes)
+    target = STARE_DEFAULT_TARGET if stare_target is None else stare_target
+    knobs = tuple(STARE_KNOBS.items()) + (("stare_target_entropy", target),)
+    return replace(base, loss_mode=mode, micro_batch_size=micro_batch_size, stare_knobs=knobs, **changes)
+
+
+def stare_target_of(run: RunConfig) -> Optional[float]:
+    """The gate's target of a ``stare_global`` run (None: another mode)."""
+    return dict(run.stare_knobs).get("stare_target_entropy", STARE_DEFAULT_TARGET) if run.loss_mode == STARE else None
+
+
+def row_of(run: RunConfig) -> str:
+    """The report's row of a run: its loss mode; a STARE run at another target than the default also names it."""
+    target = stare_target_of(run)
+    if target is None or target == STARE_DEFAULT_TARGET:
+        return run.loss_mode
+    return f"{STARE} target={target:g}"
+
+
+def mode_of_row(row: str) -> str:
+    return row.split(" ", 1)[0]
+
+
+def compose_run_config(run: RunConfig, *, model_path: str, train_file: str, out_dir: str):
+    """verl's config of ``run`` as :func:`.local_trainer.run_trainer` composes it (for the tests)."""
+    return compose_config(trainer_overrides(run, model_path=model_path, train_file=train_file, out_dir=out_dir))
+
 
 BASE = RunConfig(
     steps=40, prompts_per_step=8, responses_per_prompt=8, mini_batch_prompts=4, ppo_epochs=2,
@@ -88,13 +149,15 @@ def _run_one(run: RunConfig, *, model_path: str, work_dir: str, quiet: bool) -> 
     from .learning_task import write_dataset
 
     # no "=" in the name: the folder's paths go into Hydra overrides
-    run_dir = os.path.join(work_dir, f"{run.loss_mode}-mbs{run.micro_batch_size}-dp{run.world_size}")
+    row = row_of(run).replace(" target=", "-target")
+    run_dir = os.path.join(work_dir, f"{row}-mbs{run.micro_batch_size}-dp{run.world_size}")
     os.makedirs(run_dir, exist_ok=True)
     with quiet_verl() if quiet else contextlib.nullcontext():
         started = time.perf_counter()
         (result,) = run_local([run], model_path=model_path, work_dir=run_dir,
                               make_rollout=MakePolicyRollout(model_path), dataset=write_dataset)
         result.seconds = time.perf_counter() - started
+    result.config = run
     return result
 
 
@@ -126,7 +189,7 @@ def curves(result: RunResult) -> dict[str, list[float]]:
            "sample_entropy": [f["sample_entropy"] for f in result.rollout_figures]}
     prefix = PREFIXES.get(result.config.loss_mode)
     if prefix:
-        for name in COUNTS + COVARIANCE + ENTROPY_FIGURES:
+        for name in COUNTS + COVARIANCE + ENTROPY_FIGURES + STARE_FIGURES:
             if all(prefix + name in m for m in result.metrics):
                 out[name] = [m[prefix + name] for m in result.metrics]
     if result.config.loss_mode == "clip_cov":
@@ -179,11 +242,19 @@ def add_comparable_reward(report: dict) -> dict:
     return report
 
 
+def row_order(row: str) -> tuple:
+    """Rows in :data:`.local_trainer.LOSS_MODES`' order; a mode's STARE rows by target."""
+    mode = mode_of_row(row)
+    target = float(row.split("target=", 1)[1]) if "target=" in row else (
+        STARE_DEFAULT_TARGET if mode == STARE else 0.0)
+    return LOSS_MODES.index(mode), target
+
+
 def summarize(results: Sequence[RunResult]) -> dict:
     """Everything the picture, the docs and the test read, JSON-ready."""
-    runs = {f"{r.config.loss_mode}/mbs{r.config.micro_batch_size}": r for r in results}
+    runs = {f"{row_of(r.config)}/mbs{r.config.micro_batch_size}": r for r in results}
     curve = {key: curves(r) for key, r in runs.items()}
-    modes = sorted({r.config.loss_mode for r in results}, key=LOSS_MODES.index)
+    modes = sorted({row_of(r.config) for r in results}, key=row_order)
     sizes = sorted({r.config.micro_batch_size for r in results})
     small, large = sizes[0], sizes[-1]
     per_run = {}
@@ -192,9 +263,11 @@ def summarize(results: Sequence[RunResult]) -> dict:
         per_run[key] = {"entropy_start": c["entropy"][0], "entropy_end": c["entropy"][-1],
                         "reward_start": c["reward"][0], "reward_end": c["reward"][-1],
                         "seconds": getattr(r, "seconds", None)}
-        for name in COVARIANCE + ENTROPY_FIGURES:
+        for name in COVARIANCE + ENTROPY_FIGURES + STARE_FIGURES:
             if name in c:
                 per_run[key][f"{name}_mean_over_steps"] = sum(c[name]) / len(c[name])
+        if "gate_on" in c:
+            per_run[key]["gate_open_steps"] = [step + 1 for step, on in enumerate(c["gate_on"]) if on > 0]
     pairs = {}
     for mode in modes:
         a, b = runs[f"{mode}/mbs{small}"], runs[f"{mode}/mbs{large}"]
@@ -204,6 +277,20 @@ def summarize(results: Sequence[RunResult]) -> dict:
             (i + 1 for i, (x, y) in enumerate(zip(a.rollout_digest, b.rollout_digest)) if x != y), None)
         pair["param_max_abs_diff"] = max(float((x - y).abs().max()) for x, y in zip(a.params, b.params))
         pairs[mode] = pair
+    report = {
+        "config": config_fields(results[0].config) | {"loss_mode": None, "micro_batch_size": None},
+        "modes": modes, "micro_batch_sizes": sizes, "noise_factor": NOISE_FACTOR, "curves": curve,
+        "runs": per_run, "pairs": pairs}
+    if any(mode_of_row(m) == STARE for m in modes):
+        report["stare"] = {"knobs": dict(STARE_KNOBS), "targets": sorted(
+            {stare_target_of(r.config) for r in results if r.config.loss_mode == STARE})}
+    return add_comparable_reward(add_verdict(report))
+
+
+def add_verdict(report: dict) -> dict:
+    """The pairs' ratios to vanilla's difference and the verdict, from the report's rows (in place; returned)."""
+    pairs, per_run = report["pairs"], report["runs"]
+    large = report["micro_batch_sizes"][-1]
     verdict = {}
     if "vanilla" in pairs:
         floor = {n: max(pairs["vanilla"][n], pairs["vanilla"]["entropy_resolution"] if n == "entropy" else 0.0)
@@ -217,8 +304,8 @@ def summarize(results: Sequence[RunResult]) -> dict:
         verdict["vanilla_entropy_end_over_start"] = van["entropy_end"] / van["entropy_start"]
         verdict["vanilla_learns"] = verdict["vanilla_reward_rise"] >= 0.5
         verdict["vanilla_entropy_collapses"] = verdict["vanilla_entropy_end_over_start"] <= 0.2
-        for mode in modes:
-            if mode.endswith("_global"):
+        for mode in report["modes"]:
+            if mode_of_row(mode).endswith("_global"):
                 p = pairs[mode]
                 verdict[f"{mode}_invariant"] = bool(p["counts_identical"]) and max(p["ratio_to_vanilla"].values()) \
                     <= NOISE_FACTOR
@@ -228,10 +315,60 @@ def summarize(results: Sequence[RunResult]) -> dict:
         verdict["end_entropy_over_vanilla"] = {
             key: per_run[key]["entropy_end"] / per_run[f"vanilla/mbs{key.split('mbs')[1]}"]["entropy_end"]
             for key in per_run}
-    return add_comparable_reward({
-        "config": config_fields(results[0].config) | {"loss_mode": None, "micro_batch_size": None},
-        "modes": modes, "micro_batch_sizes": sizes, "noise_factor": NOISE_FACTOR, "curves": curve,
-        "runs": per_run, "pairs": pairs, "verdict": verdict})
+    report["verdict"] = verdict
+    return report
+
+
+def merge_reports(earlier: dict, new: dict) -> dict:
+    """``earlier`` with ``new``'s rows added (a row both hold: ``new``'s), the verdict and the comparable-reward
+    figures recomputed. Every run seeds itself and depends on no other, so rows of two invocations may stand in
+    one report, provided they are the same computation: the same settings, and vanilla's runs (which ``new`` must
+    hold: its floor) bit for bit the same curves, rollouts and parameter difference. Otherwise ValueError. The
+    merged report keeps ``earlier``'s ``config``, ``seconds`` and ``jobs``; ``added`` lists each merge's rows and time."""
+    defaults = config_fields(RunConfig())
+    # a setting one report lacks (RunConfig gained it later) must be at its default, which the other's runs used
+    settings_differ = any(earlier["config"].get(key, defaults.get(key)) != new["config"].get(key, defaults.get(key))
+                          for key in set(earlier["config"]) | set(new["config"]))
+    if settings_differ or earlier["micro_batch_sizes"] != new["micro_batch_sizes"]:
+        raise ValueError("the reports' settings differ: "
+                         f"{earlier['config']}, sizes {earlier['micro_batch_sizes']} vs "
+                         f"{new['config']}, sizes {new['micro_batch_sizes']}")
+    keys = [f"vanilla/mbs{size}" for size in new["micro_batch_sizes"]]
+    same = "vanilla" in new["pairs"] and all(earlier["curves"][k] == new["curves"][k] for k in keys) and all(
+        earlier["pairs"]["vanilla"][name] == new["pairs"]["vanilla"][name]
+        for name in ("entropy", "reward", "same_rollouts", "param_max_abs_diff"))
+    if not same:
+        raise ValueError("vanilla's runs are not bit for bit the earlier report's: the rows are not one "
+                         "computation; run the whole study instead")
+    merged = json.loads(json.dumps(earlier))
+    for mode in new["modes"]:
+        if mode == "vanilla":
+            continue
+        merged["pairs"][mode] = new["pairs"][mode]
+        for size in new["micro_batch_sizes"]:
+            key = f"{mode}/mbs{size}"
+            merged["curves"][key], merged["runs"][key] = new["curves"][key], new["runs"][key]
+    merged["modes"] = sorted(set(earlier["modes"]) | set(new["modes"]), key=row_order)
+    order = [f"{mode}/mbs{size}" for mode in merged["modes"] for size in merged["micro_batch_sizes"]]
+    merged["curves"] = {key: merged["curves"][key] for key in order}
+    merged["runs"] = {key: merged["runs"][key] for key in order}
+    merged["pairs"] = {mode: merged["pairs"][mode] for mode in merged["modes"]}
+    if "stare" in new:
+        merged["stare"] = new["stare"]
+    added = [row for row in new["modes"] if row != "vanilla"]
+    merged.setdefault("added", []).append({"rows": added, "seconds": new.get("seconds"), "jobs": new.get("jobs")})
+    return add_comparable_reward(add_verdict(merged))
+
+
+def _step_ranges(steps: Sequence[int]) -> str:
+    """[1, 2, 3, 7] -> "(1-3, 7)"; none -> "(none)"."""
+    spans: list[list[int]] = []
+    for step in steps:
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return "(" + (", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans) or "none") + ")"
 
 
 def format_report(report: dict) -> str:
@@ -258,9 +395,15 @@ def format_report(report: dict) -> str:
                      + ("" if p["counts_identical"] is None else
                         f", selection counts {'identical' if p['counts_identical'] else 'DIFFER'}"))
     for key, r in report["runs"].items():
-        cov = {n: r.get(f"{n}_mean_over_steps") for n in COVARIANCE + ENTROPY_FIGURES if f"{n}_mean_over_steps" in r}
+        cov = {n: r.get(f"{n}_mean_over_steps") for n in COVARIANCE + ENTROPY_FIGURES + STARE_FIGURES
+               if f"{n}_mean_over_steps" in r}
         if cov:
             lines.append(f"  {key}: mean over steps " + ", ".join(f"{n} {v:.4f}" for n, v in cov.items()))
+        if "gate_open_steps" in r:
+            lines.append(f"  {key}: STARE's gate open at {len(r['gate_open_steps'])} of "
+                         f"{len(report['curves'][key]['entropy'])} steps {_step_ranges(r['gate_open_steps'])}")
+    if "stare" in report:
+        lines.append(f"stare_global's knobs: {report['stare']['knobs']}, targets {report['stare']['targets']}")
     lines.append("verdict: " + json.dumps({k: v for k, v in report["verdict"].items()
                                            if k != "end_entropy_over_vanilla"}))
     return "\n".join(lines)
@@ -268,7 +411,7 @@ def format_report(report: dict) -> str:
 
 COLORS = {"vanilla": "0.45", "kl_cov": "tab:red", "kl_cov_global": "tab:blue", "clip_cov": "tab:orange",
           "clip_cov_global": "tab:green", "high_entropy_per_micro_batch": "tab:purple",
-          "high_entropy_global": "tab:cyan"}
+          "high_entropy_global": "tab:cyan", STARE: "tab:brown", f"{STARE} target={STARE_OPEN_TARGET:g}": "tab:pink"}
 
 
 def plot(report: dict, path: str) -> None:
@@ -286,19 +429,27 @@ def plot(report: dict, path: str) -> None:
         steps = range(1, len(c["entropy"]) + 1)
         ls = styles[mbs][0]
         label = f"{mode}, micro-batch {mbs}"
-        ax_h.plot(steps, c["entropy"], color=COLORS[mode], ls=ls, lw=1.6, label=label)
-        ax_r.plot(steps, c["reward"], color=COLORS[mode], ls=ls, lw=1.6, label=label)
+        color = COLORS.get(mode, "black")
+        ax_h.plot(steps, c["entropy"], color=color, ls=ls, lw=1.6, label=label)
+        ax_r.plot(steps, c["reward"], color=color, ls=ls, lw=1.6, label=label)
         dh = [b - a for a, b in zip(c["entropy"], c["entropy"][1:])]
-        ax_c.scatter(c["rollout_token_cov"][:-1], dh, s=14, color=COLORS[mode],
+        ax_c.scatter(c["rollout_token_cov"][:-1], dh, s=14, color=color,
                      marker="o" if mbs == small else "x", label=label, alpha=0.8)
         if "selected_cov_share" in c:
-            ax_s.plot(steps, c["selected_cov_share"], color=COLORS[mode], ls=ls, lw=2.2,
+            ax_s.plot(steps, c["selected_cov_share"], color=color, ls=ls, lw=2.2,
                       label=f"{label}: selected share")
-            ax_s.plot(steps, c["cov_mean"], color=COLORS[mode], ls=ls, lw=0.8, alpha=0.6,
+            ax_s.plot(steps, c["cov_mean"], color=color, ls=ls, lw=0.8, alpha=0.6,
                       label=f"{label}: cov_mean")
         if "selected_entropy_share" in c:  # high_entropy_global: the selected tokens' share of the entropy
-            ax_s.plot(steps, c["selected_entropy_share"], color=COLORS[mode], ls=ls, lw=2.2,
+            ax_s.plot(steps, c["selected_entropy_share"], color=color, ls=ls, lw=2.2,
                       label=f"{label}: selected entropy share")
+        if "selected_surprisal_share" in c:  # stare_global: the selected tokens' share of the surprisal
+            ax_s.plot(steps, c["selected_surprisal_share"], color=color, ls=ls, lw=2.2,
+                      label=f"{label}: selected surprisal share")
+    if "stare" in report:
+        for target in report["stare"]["targets"]:
+            if target < 4.16:  # a target above ln 64 opens the gate everywhere: nothing to draw
+                ax_h.axhline(target, color="tab:brown", lw=0.8, ls=":", label=f"STARE's gate target {target:g}")
     ax_h.set_title("policy entropy (actor/entropy)")
     ax_r.set_title("mean reward (critic/score/mean; 0-1: share of target tokens)")
     ax_c.set_title("entropy change H(t+1) - H(t) vs the step's token Cov(log-prob, advantage)\n"
@@ -307,8 +458,8 @@ def plot(report: dict, path: str) -> None:
     ax_c.axvline(0, color="0.7", lw=0.8)
     ax_c.set_xlabel("token covariance of the step's batch")
     ax_c.set_ylabel("entropy change")
-    ax_s.set_title("global modes' logged figures (means of the step's optimizer steps):\n"
-                   "selected_cov_share / selected_entropy_share (thick), cov_mean (thin)")
+    ax_s.set_title("global modes' figures (means of the step's optimizer steps): thick: the\n"
+                   "selected tokens' share of covariance / entropy / surprisal; thin: cov_mean")
     for ax in (ax_h, ax_r, ax_s):
         ax.set_xlabel("trainer step")
         ax.grid(True, alpha=0.3)
@@ -323,7 +474,11 @@ def plot(report: dict, path: str) -> None:
         f"per step, {cfg['prompts_per_step'] // cfg['mini_batch_prompts']} minibatches x {cfg['ppo_epochs']} epochs, "
         f"{cfg['optimizer']} lr {cfg['lr']}, kl_cov_ratio {cfg['kl_cov_ratio']} coef {cfg['ppo_kl_coef']}, "
         f"clip_cov_ratio {cfg['clip_cov_ratio']} window ({cfg['clip_cov_lb']}, {cfg['clip_cov_ub']})"
-        + (f", entropy_top_ratio {cfg['entropy_top_ratio']}" if "entropy_top_ratio" in cfg else ""), fontsize=11)
+        + (f", entropy_top_ratio {cfg['entropy_top_ratio']}" if "entropy_top_ratio" in cfg else "")
+        + (f"\nstare_global: top ratio {report['stare']['knobs']['stare_top_ratio']}, W "
+           f"{report['stare']['knobs']['stare_reweight_w']}, variant {report['stare']['knobs']['stare_variant']}, "
+           f"gate targets {', '.join(f'{t:g}' for t in report['stare']['targets'])}" if "stare" in report else ""),
+        fontsize=11)
     save_figure(fig, path, dpi=90)
 
 
@@ -349,18 +504,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = new_parser("python -m experiments.learning", __doc__)
     add_output_arguments(parser)
     add_run_arguments(parser, steps_default=BASE.steps, jobs_default=2, seed_default=BASE.seed)
-    parser.add_argument("--modes", default=",".join(LOSS_MODES), help="comma-separated (default: all seven)")
+    parser.add_argument("--modes", default=",".join(LOSS_MODES), help="comma-separated (default: all eight)")
+    parser.add_argument("--stare-targets", default=",".join(f"{t:g}" for t in STARE_TARGETS),
+                        help="stare_global's gate targets, one row each (default %(default)s: the default and a "
+                             "target above ln 64, where the gate is open at every step)")
+    parser.add_argument("--add-to", metavar="JSON",
+                        help="add the rows of the runs (or of --from-json's report) to this earlier report: the "
+                             "same settings, vanilla's runs bit for bit (so --modes must hold vanilla)")
     args = parser.parse_args(argv)
+    if args.from_json and args.add_to:  # two earlier reports into one, no runs
+        with open(args.add_to) as earlier, open(args.from_json) as rows:
+            write_outputs(merge_reports(json.load(earlier), json.load(rows)), args, format_report, plot)
+        return 0
     if args.from_json:
         return redraw_from_json(args, format_report, plot, prepare=add_comparable_reward)
     modes = args.modes.split(",")
     if args.steps < 2 or any(m not in LOSS_MODES for m in modes) or "vanilla" not in modes:
         parser.error(f"--steps >= 2; --modes from {LOSS_MODES}, vanilla included")
+    targets = [float(t) for t in args.stare_targets.split(",")] if STARE in modes else []
 
     from .learning_task import build_learning_model
 
     base = replace(BASE, steps=args.steps, seed=args.seed)
-    runs = [replace(base, loss_mode=m, micro_batch_size=b) for m in modes for b in MICRO_BATCH_SIZES]
+    runs = [learning_run(base, m, b, stare_target=t) for m in modes for t in (targets if m == STARE else [None])
+            for b in MICRO_BATCH_SIZES]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="learning_cpu_") as work_dir:
         model = build_learning_model(os.path.join(work_dir, "model"))
@@ -368,8 +535,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report = summarize(results)
     report["seconds"] = time.perf_counter() - started
     report["jobs"] = args.jobs
+    if args.add_to:
+        with open(args.add_to) as f:
+            report = merge_reports(json.load(f), report)
     write_outputs(report, args, format_report, plot)
-    print(f"total {report['seconds']:.0f} s with {args.jobs} job(s)")
+    seconds = report["added"][-1]["seconds"] if args.add_to else report["seconds"]
+    print(f"total {seconds:.0f} s with {args.jobs} job(s)")
     return 0
 
 

@@ -1,8 +1,9 @@
 """Learning runs on verl's trainer loop with policy-sampled rollouts (``experiments.learning``), shortened.
 
 The slow test trains the 64-id tiny Qwen2 from scratch for :data:`STEPS` GRPO steps with
-``vanilla``, upstream ``kl_cov``, ``kl_cov_global``, ``clip_cov_global`` and ``high_entropy_global`` at
-micro-batch sizes 1
+``vanilla``, upstream ``kl_cov``, ``kl_cov_global``, ``clip_cov_global``, ``high_entropy_global`` and
+``stare_global`` (its gate open: target :data:`experiments.learning.STARE_OPEN_TARGET`, above ln 64; with the default
+0.3 the gate would stay shut over these steps and the run be vanilla's) at micro-batch sizes 1
 and 4 -- the figure's run shortened (:data:`TEST_BASE`: 4 prompts x 8 responses of 8 tokens per
 step, 2 minibatches x 2 PPO epochs, SGD lr 0.1 instead of 0.03 so that 6 steps show learning) --
 and asserts:
@@ -12,7 +13,9 @@ and asserts:
 * each global mode's per-step selection counts are identical at both micro-batch sizes, and its
   entropy and reward curves agree within ``NOISE_FACTOR`` (10) times vanilla's own micro-batch
   difference (at least one float32 spacing of the logged entropy);
-* upstream ``kl_cov`` differs by more than that.
+* upstream ``kl_cov`` differs by more than that;
+* ``stare_global`` runs with verl's log-prob pass: its gate reads the pass's batch entropy (verl's ``actor/entropy``
+  to float32 rounding), is open at every step, and its weights act (its entropy leaves vanilla's floor).
 
 The tolerance's basis: vanilla's difference between micro-batch sizes is float summation order
 only (~1e-7 in parameters per step). Sampling would turn any parameter difference into different
@@ -49,7 +52,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from experiments.learning import NOISE_FACTOR, format_report, run_runs, summarize
+from experiments.learning import (
+    NOISE_FACTOR, STARE, STARE_KNOBS, STARE_OPEN_TARGET, format_report, learning_run, run_runs, summarize,
+)
 from experiments.learning import BASE as FIGURE_BASE
 from experiments.learning_task import TARGET_IDS, VOCAB_SIZE, build_learning_model, target_fraction
 from experiments.policy_rollout import PolicySampler, grpo_advantages, request_seed
@@ -57,7 +62,8 @@ from verl_klcov_global.lab.tiny import build_tokenizer
 
 STEPS = 6
 TEST_BASE = replace(FIGURE_BASE, steps=STEPS, prompts_per_step=4, mini_batch_prompts=2, lr=0.1)
-MODES = ("vanilla", "kl_cov", "kl_cov_global", "clip_cov_global", "high_entropy_global")
+MODES = ("vanilla", "kl_cov", "kl_cov_global", "clip_cov_global", "high_entropy_global", STARE)
+STARE_ROW = f"{STARE} target={STARE_OPEN_TARGET:g}"
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +116,8 @@ def test_sampler_draws_a_pure_function_of_weights_and_request(learning_model):
 @pytest.fixture(scope="module")
 def report(learning_model, tmp_path_factory):
     # kl_cov_global's log-prob pass at its training micro-batch size (module docstring: KL-Cov's sign at pi = pi_old)
-    runs = [replace(TEST_BASE, loss_mode=m, micro_batch_size=b,
-                    log_prob_micro_batch_size=b if m == "kl_cov_global" else None) for m in MODES for b in (1, 4)]
+    runs = [learning_run(TEST_BASE, m, b, stare_target=STARE_OPEN_TARGET if m == STARE else None,
+                         log_prob_micro_batch_size=b if m == "kl_cov_global" else None) for m in MODES for b in (1, 4)]
     result = summarize(run_runs(runs, model_path=learning_model, work_dir=str(tmp_path_factory.mktemp("runs")), jobs=1))
     print("\n" + format_report(result))
     return result
@@ -131,7 +137,7 @@ def test_vanilla_learns_and_its_entropy_falls(report):
 def test_global_modes_stay_on_vanillas_floor_and_upstream_kl_cov_splits(report):
     pairs = report["pairs"]
     assert pairs["vanilla"]["same_rollouts"], pairs["vanilla"]
-    for mode in ("kl_cov_global", "clip_cov_global", "high_entropy_global"):
+    for mode in ("kl_cov_global", "clip_cov_global", "high_entropy_global", STARE_ROW):
         pair = pairs[mode]
         assert pair["counts_identical"] is True, (mode, pair)
         assert pair["same_rollouts"], (mode, pair)
@@ -149,6 +155,27 @@ def test_global_modes_stay_on_vanillas_floor_and_upstream_kl_cov_splits(report):
         assert all(m >= t for m, t in zip(high["selected_entropy_mean"], high["entropy_threshold"]))
 
 
+@pytest.mark.slow
+def test_stare_reads_verls_log_prob_pass_and_its_weights_act(report):
+    """Through verl's trainer (its log-prob pass, then the update): the gate reads the pass's batch entropy, which is
+    verl's actor/entropy up to that figure's float32 rounding; open at every step (target above ln 64); W 1.1 on
+    ceil(10%) of the A > 0 tokens, none of the A < 0 (variant O1); and the weights change the run beyond vanilla's
+    float noise (measured: from step 2)."""
+    pairs = report["pairs"]
+    floor = max(pairs["vanilla"]["entropy"], pairs["vanilla"]["entropy_resolution"])
+    for mbs in (1, 4):
+        stare, vanilla = report["curves"][f"{STARE_ROW}/mbs{mbs}"], report["curves"][f"vanilla/mbs{mbs}"]
+        assert stare["gate_on"] == [1.0] * STEPS and stare["target_entropy"] == [STARE_OPEN_TARGET] * STEPS
+        assert stare["reweight_w_in_use"] == [STARE_KNOBS["stare_reweight_w"]] * STEPS
+        assert max(abs(b - h) for b, h in zip(stare["batch_entropy"], stare["entropy"])) < 2e-6
+        assert stare["selected_negative"] == [0.0] * STEPS
+        # logged: means over the step's optimizer steps of k = ceil(0.1 n), so 0 <= k - 0.1 n < 1 holds for the means
+        assert all(0 <= k - 0.1 * n < 1 and k >= 1 for k, n in zip(stare["selected_positive"],
+                                                                    stare["candidates_positive"]))
+        assert stare["entropy"][0] == vanilla["entropy"][0]  # the same policy before the first update
+        assert max(abs(a - b) for a, b in zip(stare["entropy"], vanilla["entropy"])) > NOISE_FACTOR * floor
+
+
 def test_picture_and_report_render_from_the_documented_json(tmp_path):
     """``--from-json`` (no runs): the committed run's JSON prints its report and draws its picture."""
     import os
@@ -159,6 +186,24 @@ def test_picture_and_report_render_from_the_documented_json(tmp_path):
     png = tmp_path / "learning.png"
     assert main(["--from-json", os.path.join(root, "docs", "learning_cpu.json"), "--png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 50_000
+
+
+def test_the_stare_rows_are_configured(tmp_path):
+    """stare_global's runs: verl's config as the trainer gets it holds STARE's config class, its knobs (the defaults)
+    and the row's target; verl's log-prob pass is on (the legacy trainer always runs it: no bypass mode)."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from experiments.learning import BASE, STARE_TARGETS, compose_run_config
+
+    for target in STARE_TARGETS:
+        run = learning_run(BASE, STARE, 4, stare_target=target)
+        config = compose_run_config(run, model_path="/m", train_file="/t.parquet", out_dir=str(tmp_path))
+        actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+        loss = actor.policy_loss
+        assert type(loss).__name__ == "StareGlobalPolicyLossConfig" and loss.loss_mode == STARE
+        assert {key: getattr(loss, key) for key in STARE_KNOBS} == STARE_KNOBS
+        assert loss.stare_target_entropy == target and actor.ppo_micro_batch_size_per_gpu == 4
+        assert config.algorithm.rollout_correction.bypass_mode is False
 
 
 @pytest.mark.parametrize("mode, config_class, entropy_in_training", [
