@@ -38,6 +38,8 @@ VERSION_INDEPENDENT=(--ignore=tests/selection --ignore=tests/test_import_layers.
 REUSE_ON_POLICY="tests/engine/test_reuse.py::test_an_on_policy_update_reuses_verls_pass_and_selects_what_the_prepass_selects[high_entropy_global-v1]"
 REUSE_FIRST_STEP_ONLY="tests/engine/test_reuse.py::test_only_the_first_optimizer_step_of_an_update_reuses"
 STATIC_INVARIANCE="tests/engine/test_engine_kl_cov.py::test_static_micro_batches_64_vs_8[padded-fsdp]"
+# stare_global's gate reads verl's log-prob pass through TrainingWorker and is checked against verl's own agg_loss
+STARE_GATE="tests/engine/test_engine_stare.py::test_the_gate_reads_the_drivers_actor_entropy_and_opens_where_the_forks_does[infer-token-mean]"
 
 SECONDS=0
 if [ "${VERL_JOB_SETUP:-1}" != 0 ]; then
@@ -54,7 +56,7 @@ if [ "$VERSION" = main ]; then
     "tests/engine/test_engine_clip_cov.py::test_sampled_mask_on_two_dp_ranks_is_the_single_rank_mask" \
     "tests/engine/test_engine_high_entropy.py::test_prepass_entropy_is_verls_compute_log_prob_entropy_bit_for_bit" \
     "tests/engine/test_entropy_control.py::test_the_first_step_is_bit_identical_for_3_vs_5_micro_batches_and_dp_1_vs_2" \
-    "$REUSE_ON_POLICY" "$REUSE_FIRST_STEP_ONLY" "$@"
+    "$REUSE_ON_POLICY" "$REUSE_FIRST_STEP_ONLY" "$STARE_GATE" "$@"
   echo "verl $VERSION job: engine invariance ${SECONDS} s"; SECONDS=0
 else
   SUBSET=(
@@ -71,6 +73,7 @@ else
     tests/engine/test_patches.py
     "$STATIC_INVARIANCE"
     "$REUSE_ON_POLICY"
+    "$STARE_GATE"
   )
   "$VENV/bin/python" -m pytest -q -m "not needs_entry_point_group and not needs_driver_validate_config" \
     "${SUBSET[@]}" "$@"

@@ -22,10 +22,16 @@ from verl_klcov_global.configs import CONFIG_DIR
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.sh"))
 VERL_CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
 CONFIGS_DIR = CONFIG_DIR  # the package's configs
+#: examples per mode where it is not 2 (a 7B-style and a 32B one)
+EXAMPLES_PER_MODE = {"stare_global": 1}
 
 
 def example_overrides(script: Path) -> list[str]:
-    proc = subprocess.run(["bash", str(script)], env={**os.environ, "PRINT_OVERRIDES": "1"},
+    return _example_overrides_with(script)
+
+
+def _example_overrides_with(script: Path, **env: str) -> list[str]:
+    proc = subprocess.run(["bash", str(script)], env={**os.environ, **env, "PRINT_OVERRIDES": "1"},
                           capture_output=True, text=True, timeout=60, check=True)
     return [line for line in proc.stdout.splitlines() if line.strip()]
 
@@ -41,7 +47,9 @@ def test_every_example_selects_a_mode_of_the_table_and_every_mode_has_examples()
         assert len(modes) == 1 and modes[0] in MODES, (script.name, modes)
         selected.setdefault(modes[0], []).append(script.name)
     assert sorted(selected) == sorted(MODES), selected
-    assert all(len(names) == 2 for names in selected.values()), selected  # the 7B-style and the 32B example
+    # the 7B-style and the 32B example; STARE: the authors' one script (their other one is the GRPO baseline)
+    assert {mode: len(names) for mode, names in selected.items()} == {
+        mode: EXAMPLES_PER_MODE.get(mode, 2) for mode in MODES}, selected
 
 
 def validated_actor(config):
@@ -71,6 +79,26 @@ def test_example_overrides_compose_and_validate(script):
         assert config.data.train_batch_size == 512 and config.actor_rollout_ref.rollout.n == 16
         assert actor.optim.weight_decay == 0.1 and actor.grad_clip == 1.0
         assert ("14B" in config.actor_rollout_ref.model.path) != ("32b" in script.name)
+    elif "stare" in script.name:
+        # the authors' run_short_cot_qwen2.5_math_7b_STARE.sh: the paper's 7B defaults, on-policy
+        from verl_klcov_global.config import StareGlobalPolicyLossConfig, read_stare_settings
+
+        assert isinstance(actor.policy_loss, StareGlobalPolicyLossConfig)
+        settings = read_stare_settings(actor)
+        assert (settings.stare_top_ratio, settings.with_negative, settings.reweight_w, settings.reweight_m) == (
+            0.1, False, 1.1, 0.9)
+        assert (settings.target_entropy, settings.adaptive, settings.alpha, settings.w_max, settings.m_min) == (
+            0.3, False, 0.01, 1.5, 0.5)
+        assert settings.prepass_layout == "infer" and settings.gate_on
+        assert (settings.clip_ratio_low, settings.clip_ratio_high, settings.clip_ratio_c) == (0.2, 0.28, 10.0)
+        assert actor.ppo_max_token_len_per_gpu == (1024 + 3072) * 2
+        assert config.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu == (1024 + 3072) * 3
+        assert config.data.train_batch_size == actor.ppo_mini_batch_size == 64  # one optimizer step per step
+        assert config.actor_rollout_ref.rollout.n == 8 and actor.optim.lr == 1e-6 and actor.grad_clip == 1.0
+        assert "optimizer" in actor.checkpoint.save_contents  # STARE's state travels with the optimizer
+        assert not config.algorithm.rollout_correction.bypass_mode  # the gate reads verl's log-prob pass
+        variant = _example_overrides_with(script, STARE_VARIANT="C2")
+        assert "+actor_rollout_ref.actor.policy_loss.stare_variant=C2" in variant
     else:
         if "clip_cov" in script.name:
             assert isinstance(actor.policy_loss, ClipCovGlobalPolicyLossConfig)
@@ -86,8 +114,10 @@ def test_example_overrides_compose_and_validate(script):
         expected_tokens = 20480 if "32b" in script.name else 30720
         assert actor.ppo_max_token_len_per_gpu == expected_tokens
         assert config.data.train_batch_size == 256 and config.actor_rollout_ref.rollout.n == 8
+    if "stare" not in script.name:
+        assert actor.ppo_mini_batch_size == 32
     assert actor.loss_agg_mode == "token-mean" and actor.entropy_coeff == 0 and not actor.use_kl_loss
-    assert actor.use_dynamic_bsz and actor.ppo_mini_batch_size == 32
+    assert actor.use_dynamic_bsz
 
 
 def compose_config_file(name, overrides=()):
@@ -141,4 +171,54 @@ def test_high_entropy_global_yaml_selects_the_plugin_config_and_takes_overrides_
 def test_high_entropy_global_yaml_bad_values_fail_verls_validation(override, message):
     config = compose_config_file("high_entropy_global", [f"actor_rollout_ref.actor.policy_loss.{override}"])
     with pytest.raises(Exception, match=message):
+        validated_actor(config)
+
+
+def test_stare_global_yaml_selects_the_plugin_config_and_takes_overrides_without_plus():
+    from verl_klcov_global.config import StareGlobalPolicyLossConfig, read_stare_settings
+
+    actor = validated_actor(compose_config_file("stare_global", [
+        f"actor_rollout_ref.actor.policy_loss.{override}" for override in (
+            "stare_variant=C2", "stare_top_ratio=0.2", "stare_reweight_w=1.05", "stare_reweight_m=0.95",
+            "stare_target_entropy=0.5", "stare_adaptive=true", "stare_alpha=0.02", "stare_w_max=1.2",
+            "stare_m_min=0.8", "prepass_layout=old")]))
+    assert type(actor.policy_loss) is StareGlobalPolicyLossConfig
+    settings = read_stare_settings(actor)
+    assert (settings.with_negative, settings.stare_top_ratio, settings.reweight_w, settings.reweight_m) == (
+        True, 0.2, 1.05, 0.95)
+    assert (settings.target_entropy, settings.adaptive, settings.alpha, settings.w_max, settings.m_min) == (
+        0.5, True, 0.02, 1.2, 0.8)
+    assert settings.prepass_layout == "old"
+    default_config = compose_config_file("stare_global")
+    default = read_stare_settings(validated_actor(default_config))
+    assert (default.stare_top_ratio, default.with_negative, default.reweight_w, default.reweight_m,
+            default.target_entropy, default.adaptive) == (0.1, False, 1.1, 0.9, 0.3, False)  # the paper's
+    # every field the config class declares, and no entropy_* knob: the controller does not apply to STARE
+    declared = set(default_config.actor_rollout_ref.actor.policy_loss)
+    from dataclasses import fields
+
+    plugin_fields = {f.name for f in fields(StareGlobalPolicyLossConfig)} - {
+        f.name for f in fields(StareGlobalPolicyLossConfig.__mro__[1])}
+    assert plugin_fields <= declared and not [key for key in declared if key.startswith("entropy_")]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("stare_top_ratio=10", r"stare_top_ratio must be finite and in \[0, 1\].*policy_loss.stare_top_ratio"),
+    ("stare_reweight_w=0.9", r"stare_reweight_w must be finite and >= 1.*policy_loss.stare_reweight_w"),
+    ("stare_reweight_m=1.1", r"stare_reweight_m must be finite and in \(0, 1\].*policy_loss.stare_reweight_m"),
+    ("stare_variant=O2", r"stare_variant must be one of.*policy_loss.stare_variant"),
+    ("stare_adaptive=1", r"stare_adaptive must be true or false"),
+    ("loss_mode=kl_cov_global", r"loss_mode is 'kl_cov_global'.*policy_loss.loss_mode=stare_global"),
+])
+def test_stare_global_yaml_bad_values_fail_verls_validation(override, message):
+    config = compose_config_file("stare_global", [f"actor_rollout_ref.actor.policy_loss.{override}"])
+    with pytest.raises(Exception, match=message):
+        validated_actor(config)
+
+
+def test_stare_global_yaml_refuses_a_summed_loss_agg_mode():
+    """The gate compares verl's actor/entropy, aggregated with loss_agg_mode, with a per-token target: the driver's
+    check (inside verl's validate_config) stops the sum modes, naming the key."""
+    config = compose_config_file("stare_global", ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum"])
+    with pytest.raises(Exception, match=r"loss_agg_mode='seq-mean-token-sum'.*actor.loss_agg_mode=token-mean"):
         validated_actor(config)
