@@ -257,7 +257,8 @@ def test_every_mode_row_names_its_knob_and_sign():
     assert {name: (mode.ratio_knob, mode.entropy_sign) for name, mode in MODES.items()} == {
         "kl_cov_global": ("kl_cov_ratio", +1), "clip_cov_global": ("clip_cov_ratio", +1),
         "high_entropy_global": ("entropy_top_ratio", -1),
-        "stare_global": ("stare_top_ratio", 0)}  # STARE has its own gate and schedule: no controller
+        "stare_global": ("stare_top_ratio", 0),  # STARE has its own gate and schedule: no controller
+        "lp_reg_global": ("lp_reg_neg_ratio", 0)}  # Lp-Reg: no ratio whose size moves entropy one known way
 
 
 def _actor(policy_loss):

@@ -19,7 +19,7 @@ LAYERS = [
     ["loss"],
     ["modes"],
     ["guardrails"],
-    ["driver", "engine.logprobs", "engine.control", "engine.reuse", "engine.old_policy", "engine.batch_entropy",
+    ["driver", "engine.logprobs", "engine.control", "engine.proxy", "engine.reuse", "engine.old_policy", "engine.batch_entropy",
      "engine.schedule"],
     ["engine.prepass"],
     ["engine.step"],

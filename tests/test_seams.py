@@ -61,7 +61,7 @@ def test_every_patch_of_the_catalogue_is_guarded_by_a_seam():
     names = {seam.name for seam in seams.SEAMS}
     assert [patch.name for patch in PATCHES] == [
         "train_batch_prepass", "validate_config_driver_checks", "prepass_batched_logsumexp",
-        "log_prob_pass_context", "log_prob_pass_keep", "weight_restore_bumps_version"]
+        "log_prob_pass_context", "log_prob_pass_keep", "proxy_log_prob_in_pass", "weight_restore_bumps_version"]
     for patch in PATCHES:
         assert patch.seam in names, patch
 
@@ -110,7 +110,7 @@ def test_the_seam_message_text():
 def test_the_seam_error_names_the_built_in_modes():
     """A process whose check failed answers for these names; a new built-in mode must be added there too."""
     assert seams.GLOBAL_MODE_NAMES == (modes.KL_COV.name, modes.CLIP_COV.name, modes.HIGH_ENTROPY.name,
-                                       modes.STARE.name) == tuple(MODES)
+                                       modes.STARE.name, modes.LP_REG.name) == tuple(MODES)
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from .config import (
     HighEntropyGlobalPolicyLossConfig,
     KLCovGlobalPolicyLossConfig,
     StareGlobalPolicyLossConfig,
+    LpRegGlobalPolicyLossConfig,
 )
 from .loss import (
     ClipCovMaskUnavailableError,
@@ -55,6 +56,8 @@ from .selection import (
     select_kl_cov_tokens,
     select_stare_tokens,
     StareSelection,
+    LpRegSelection,
+    select_lp_reg_tokens,
 )
 
 _quiet.close()
@@ -76,6 +79,8 @@ __all__ = [
     "KLCovGlobalPolicyLossConfig",
     "KLCovMaskUnavailableError",
     "KLCovSelection",
+    "LpRegGlobalPolicyLossConfig",
+    "LpRegSelection",
     "ModeSpec",
     "SelectionMaskUnavailableError",
     "StareGlobalPolicyLossConfig",
@@ -89,5 +94,6 @@ __all__ = [
     "select_clip_cov_tokens",
     "select_high_entropy_tokens",
     "select_kl_cov_tokens",
+    "select_lp_reg_tokens",
     "select_stare_tokens",
 ]

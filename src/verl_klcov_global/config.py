@@ -61,6 +61,7 @@ from .selection import (
     validate_clip_ratio,
     validate_entropy_top_ratio,
     validate_kl_cov_ratio,
+    validate_lp_reg_ratio,
 )
 from .selection.knobs import POLICY_LOSS as POLICY_LOSS_PREFIX, finite_number, setting
 
@@ -198,6 +199,75 @@ class StareGlobalSettings:
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: Optional[float] = None
     gate_on: bool = True
+
+
+DEFAULT_LP_REG_MIN_P = 0.02
+DEFAULT_LP_REG_NEG_RATIO = 0.01
+DEFAULT_LP_REG_POS_RATIO = 0.0
+#: the authors' scripts (recipe/lp_reg/*.sh): clip_ratio_low 1.0, clip_ratio_high 9.0 (ppo_kl_coef 1: verl's default)
+LP_REG_PROXY_FIELD = "lp_reg_proxy_log_probs"
+
+
+@dataclass(frozen=True)
+class LpRegGlobalSettings:
+    """Validated ``lp_reg_global`` settings (:func:`read_lp_reg_settings`).
+
+    ``neg_ratio`` / ``pos_ratio``: rho- / rho+ (fractions of each advantage sign's valid tokens of the optimizer
+    minibatch); ``min_p``: kappa, the proxy's min-p threshold; ``ppo_kl_coef``: beta, the KL's weight on the
+    regularised tokens; the PPO clip knobs as verl ``vanilla`` reads them."""
+
+    neg_ratio: float
+    pos_ratio: float
+    min_p: float
+    ppo_kl_coef: float
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    prepass_layout: str
+
+
+def validate_lp_reg_min_p(value: Any) -> float:
+    """kappa as float if it is a finite number in [0, 1) (0: no filter, the proxy is pi_old), else ValueError."""
+    number = finite_number(value)
+    if number is None or not (0.0 <= number < 1.0):
+        raise ValueError(f"lp_reg_min_p must be finite and in [0, 1), got {value!r}: the proxy keeps the tokens of "
+                         "probability >= lp_reg_min_p * max p; " + setting("lp_reg_min_p", "0.02 (the authors' value)"))
+    return number
+
+
+def validate_lp_reg_knobs(policy_loss: Any) -> dict[str, float]:
+    """``lp_reg_neg_ratio``, ``lp_reg_pos_ratio``, ``lp_reg_min_p`` of a ``policy_loss``, validated (ValueError naming
+    the key); a set with both ratios 0 selects nothing and is refused."""
+    neg = validate_lp_reg_ratio(_field(policy_loss, "lp_reg_neg_ratio", DEFAULT_LP_REG_NEG_RATIO), "lp_reg_neg_ratio")
+    pos = validate_lp_reg_ratio(_field(policy_loss, "lp_reg_pos_ratio", DEFAULT_LP_REG_POS_RATIO), "lp_reg_pos_ratio")
+    if neg == 0.0 and pos == 0.0:
+        raise ValueError("lp_reg_neg_ratio and lp_reg_pos_ratio are both 0: lp_reg_global would regularise no token "
+                         "(verl's vanilla plus a prepass); " + setting("lp_reg_neg_ratio", "0.01 (the authors' value)"))
+    return {"neg_ratio": neg, "pos_ratio": pos,
+            "min_p": validate_lp_reg_min_p(_field(policy_loss, "lp_reg_min_p", DEFAULT_LP_REG_MIN_P))}
+
+
+def read_lp_reg_settings(actor_config: Any) -> LpRegGlobalSettings:
+    """Validated :class:`LpRegGlobalSettings` from an actor config (its ``policy_loss``; the PPO clip knobs read as
+    verl ``vanilla`` reads them). The plugin's entropy controller does not apply (its keys are refused)."""
+    policy_loss = _policy_loss_of(actor_config, "lp_reg_global")
+    controller = [key for key in ("entropy_target", "entropy_control_kp", "entropy_control_ki",
+                                  "entropy_control_min_ratio", "entropy_control_max_ratio", "entropy_control_horizon",
+                                  "entropy_control_window") if _field(policy_loss, key, None) is not None]
+    if controller:
+        raise ValueError(
+            f"{controller[0]} is a knob of the plugin's entropy controller, which lp_reg_global does not have (it has "
+            f"no ratio whose size moves entropy one way): remove {POLICY_LOSS_PREFIX}{controller[0]}")
+    clip_ratio = getattr(actor_config, "clip_ratio", None)
+    low, high = (_field(actor_config, key, clip_ratio) for key in ("clip_ratio_low", "clip_ratio_high"))
+    return LpRegGlobalSettings(
+        **validate_lp_reg_knobs(policy_loss),
+        ppo_kl_coef=validate_ppo_kl_coef(_field(policy_loss, "ppo_kl_coef", _DEFAULT_COEF)),
+        clip_ratio_low=validate_clip_ratio(low, "clip_ratio_low"),
+        clip_ratio_high=validate_clip_ratio(high, "clip_ratio_high"),
+        clip_ratio_c=validate_clip_ratio_c(_field(actor_config, "clip_ratio_c", _DEFAULT_CLIP_RATIO_C)),
+        prepass_layout=validate_prepass_layout(_field(policy_loss, "prepass_layout", "infer")),
+    )
 
 
 def validate_clip_ratio_c(value: Any) -> float:
@@ -562,4 +632,28 @@ class StareGlobalPolicyLossConfig(PolicyLossConfig):
         _parent_post_init(self, StareGlobalPolicyLossConfig)
         _require_loss_mode(self, StareGlobalPolicyLossConfig.loss_mode)
         validate_stare_knobs(self)
+        validate_prepass_layout(self.prepass_layout)
+
+
+@dataclass
+class LpRegGlobalPolicyLossConfig(PolicyLossConfig):
+    """verl's ``PolicyLossConfig`` plus Lp-Reg's knobs and ``prepass_layout``, validated on construction.
+
+    Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_klcov_global.config.LpRegGlobalPolicyLossConfig``.
+    ``lp_reg_neg_ratio`` / ``lp_reg_pos_ratio``: rho- / rho+ (the authors' 0.01 / 0); ``lp_reg_min_p``: kappa, the
+    proxy's min-p threshold (0.02); beta is verl's own ``ppo_kl_coef``. No ``entropy_*`` knobs: the plugin's entropy
+    controller does not apply (docs/HOW_IT_WORKS.md, "Lp-Reg").
+    """
+
+    loss_mode: str = "lp_reg_global"
+    lp_reg_neg_ratio: float = DEFAULT_LP_REG_NEG_RATIO
+    lp_reg_pos_ratio: float = DEFAULT_LP_REG_POS_RATIO
+    lp_reg_min_p: float = DEFAULT_LP_REG_MIN_P
+    prepass_layout: str = "infer"
+
+    def __post_init__(self):
+        _parent_post_init(self, LpRegGlobalPolicyLossConfig)
+        _require_loss_mode(self, LpRegGlobalPolicyLossConfig.loss_mode)
+        validate_lp_reg_knobs(self)
+        validate_ppo_kl_coef(self.ppo_kl_coef)
         validate_prepass_layout(self.prepass_layout)

@@ -359,6 +359,33 @@ def _old_policy_findings(config: Any, spec: ModeSpec) -> list[Finding]:
     return []
 
 
+def _proxy_findings(config: Any, spec: ModeSpec) -> list[Finding]:
+    """A mode that reads Lp-Reg's proxy (``ModeSpec.proxy_min_p``) needs the actor's log-prob pass, kept by the
+    plugin, and the logits (no fused kernels)."""
+    if spec.proxy_min_p is None:
+        return []
+    mode = spec.name
+    reads = (f"loss_mode={mode} computes its proxy pi_proxy (the old policy, min-p filtered) in the actor's log-prob "
+             "pass")
+    if _bypass(config):
+        return [Finding(
+            ERROR, "proxy-without-log-prob-pass", f"{ROLLOUT_CORRECTION}.bypass_mode",
+            f"{reads}, and {ROLLOUT_CORRECTION}.bypass_mode=True runs no such pass (the old log-probs are the "
+            "rollout's)", f"Set {ROLLOUT_CORRECTION}.bypass_mode=False")]
+    kind = trainer_kind(config)
+    if kind not in OLD_POLICY_ENTROPY_TRAINERS:
+        return [Finding(
+            ERROR, "proxy-not-kept", "trainer.v1.trainer_mode",
+            f"{reads}, which the plugin keeps on the legacy and the v1 sync trainers only, and this is the v1 "
+            f"{kind} trainer", "Use trainer.use_v1=False or trainer.v1.trainer_mode=sync")]
+    if _get(config, "actor_rollout_ref.model.use_fused_kernels", False) is True:
+        return [Finding(
+            ERROR, "proxy-without-logits", "actor_rollout_ref.model.use_fused_kernels",
+            f"{reads} from its logits, and use_fused_kernels=True does not materialise them",
+            "Set actor_rollout_ref.model.use_fused_kernels=False")]
+    return []
+
+
 def _update_rule_findings(config: Any, spec: ModeSpec) -> list[Finding]:
     if not spec.reads_batch_entropy:
         return []
@@ -414,7 +441,7 @@ def findings(config: Any) -> list[Finding]:
         return []
     found = (_bypass_findings(config, mode) + _on_policy_findings(config, mode) + _percentage_findings(config, mode)
              + _ratio_findings(config, mode) + _keeps_all_findings(config, mode) + _controller_findings(config, mode)
-             + _old_policy_findings(config, mode) + _update_rule_findings(config, mode))
+             + _old_policy_findings(config, mode) + _update_rule_findings(config, mode) + _proxy_findings(config, mode))
     return sorted(found, key=lambda f: f.severity != ERROR)
 
 

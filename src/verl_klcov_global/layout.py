@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 from tensordict import TensorDict
 
-__all__ = ["MinibatchFields", "fit_width", "mask_in_layout_of", "micro_batch_mask", "padded", "read_fields",
-           "sequence_token_ids"]
+__all__ = ["MinibatchFields", "fit_width", "mask_in_layout_of", "micro_batch_mask", "micro_batch_values", "padded",
+           "read_fields", "sequence_token_ids", "values_in_layout_of"]
 
 
 def padded(tensor: torch.Tensor) -> torch.Tensor:
@@ -106,17 +106,29 @@ def mask_in_layout_of(mask: torch.Tensor, response_mask: torch.Tensor) -> torch.
     The prepass's mask lives where the log-probs were computed (the accelerator); the minibatch
     TensorDict usually lives on the host until verl moves each micro-batch.
     """
-    mask = mask.to(response_mask.device)
+    return values_in_layout_of(mask, response_mask, dtype=response_mask.dtype)
+
+
+def values_in_layout_of(values: torch.Tensor, response_mask: torch.Tensor,
+                        dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A (batch, width) per-token tensor laid out like ``response_mask`` (nested or padded), on its device, in
+    ``dtype`` (default: ``values``' own)."""
+    values = values.to(response_mask.device, dtype or values.dtype)
     if not response_mask.is_nested:
-        return mask[:, : response_mask.shape[1]].to(response_mask.dtype)
+        return values[:, : response_mask.shape[1]]
     offsets = response_mask.offsets()
     lengths = offsets.diff()
-    positions = torch.arange(mask.shape[1], device=mask.device)
-    inside = positions.unsqueeze(0) < lengths.to(mask.device).unsqueeze(1)
-    values = mask[inside].to(response_mask.dtype)
-    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets.to(values.device))
+    positions = torch.arange(values.shape[1], device=values.device)
+    inside = positions.unsqueeze(0) < lengths.to(values.device).unsqueeze(1)
+    return torch.nested.nested_tensor_from_jagged(values[inside], offsets=offsets.to(values.device))
 
 
 def micro_batch_mask(data: TensorDict, key: str) -> torch.Tensor:
     """A micro-batch's (batch, response_len) bool mask ``data[key]``, padded as ``ppo_loss`` pads ``response_mask``."""
-    return data.select("response_mask", key).to_padded_tensor()[key].bool()
+    return micro_batch_values(data, key).bool()
+
+
+def micro_batch_values(data: TensorDict, key: str) -> torch.Tensor:
+    """A micro-batch's (batch, response_len) per-token field ``data[key]``, padded (with 0) as ``ppo_loss`` pads
+    ``response_mask``."""
+    return data.select("response_mask", key).to_padded_tensor()[key]

@@ -62,6 +62,7 @@ class _ProvidedMask:
     mask: torch.Tensor
     figures: dict[str, float] = field(default_factory=dict)
     settings: Any = None  # the step's settings where a rule moved them (ModeSpec.update_rule), else None
+    token_fields: dict[str, torch.Tensor] = field(default_factory=dict)  # per-token inputs of the objective
 
 
 class HighEntropyMaskUnavailableError(SelectionMaskUnavailableError):
@@ -70,6 +71,10 @@ class HighEntropyMaskUnavailableError(SelectionMaskUnavailableError):
 
 class StareMaskUnavailableError(SelectionMaskUnavailableError):
     """The ``stare_global`` loss was called without a precomputed selection mask."""
+
+
+class LpRegMaskUnavailableError(SelectionMaskUnavailableError):
+    """The ``lp_reg_global`` loss was called without a precomputed selection mask."""
 
 
 _CURRENT_MASK: contextvars.ContextVar[Optional[_ProvidedMask]] = contextvars.ContextVar(
@@ -98,7 +103,8 @@ def record_hook_install_error(error: BaseException) -> None:
 
 @contextlib.contextmanager
 def provide_selection_mask(mask: torch.Tensor, figures: Optional[dict[str, float]] = None,
-                           settings: Any = None) -> Iterator[None]:
+                           settings: Any = None, token_fields: Optional[dict[str, torch.Tensor]] = None
+                           ) -> Iterator[None]:
     """Make ``mask`` the selection seen by every global mode's loss call inside this block.
 
     Args:
@@ -108,8 +114,11 @@ def provide_selection_mask(mask: torch.Tensor, figures: Optional[dict[str, float
             by the loss under its mode's metric prefix (e.g. ``actor/kl_cov/``).
         settings: optional, the settings this optimizer step's loss applies in place of those read from the actor
             config (a mode whose ``update_rule`` moves them once per trainer step: STARE's gate, W and M).
+        token_fields: optional per-token tensors, each shaped like ``mask``, that the mode's objective takes as
+            keyword arguments (``lp_reg_global``: ``proxy_log_prob``, Lp-Reg's proxy).
     """
-    token = _CURRENT_MASK.set(_ProvidedMask(mask=mask, figures=dict(figures or {}), settings=settings))
+    token = _CURRENT_MASK.set(_ProvidedMask(mask=mask, figures=dict(figures or {}), settings=settings,
+                                            token_fields=dict(token_fields or {})))
     try:
         yield
     finally:
@@ -137,7 +146,12 @@ def _current_mask(response_mask: torch.Tensor, loss_mode: str,
     mask = mask.to(device=response_mask.device, dtype=torch.bool)
     if bool((mask & ~response_mask.bool()).any()):
         raise ValueError(f"{loss_mode} mask selects positions outside response_mask: it is misaligned")
-    return _ProvidedMask(mask=mask, figures=provided.figures, settings=provided.settings)
+    for name, values in provided.token_fields.items():
+        if values.shape != response_mask.shape:
+            raise ValueError(f"{loss_mode}'s per-token field {name} has shape {tuple(values.shape)} but the loss "
+                             f"received response_mask of shape {tuple(response_mask.shape)}: it is misaligned")
+    fields = {name: values.to(response_mask.device) for name, values in provided.token_fields.items()}
+    return _ProvidedMask(mask=mask, figures=provided.figures, settings=provided.settings, token_fields=fields)
 
 
 #: ``objective(old_log_prob, log_prob, advantages, response_mask, mask, settings) -> (per-token losses, metrics)``:
@@ -173,7 +187,7 @@ def global_policy_loss(mode: Any) -> Callable[..., tuple[torch.Tensor, dict[str,
         if provided.settings is not None:  # moved once per trainer step by the mode's update_rule (engine/schedule.py)
             settings = provided.settings
         pg_losses, metrics = mode.objective(old_log_prob, log_prob, advantages, response_mask, provided.mask,
-                                            settings)
+                                            settings, **provided.token_fields)
         if rollout_is_weights is not None:
             pg_losses = pg_losses * rollout_is_weights
         pg_loss = agg_loss(
@@ -274,3 +288,65 @@ def stare_objective(old_log_prob, log_prob, advantages, response_mask, mask, set
     weights = stare_weights(mask, advantages, reweight_w=settings.reweight_w, reweight_m=settings.reweight_m,
                             gate_on=settings.gate_on)
     return pg_losses * weights, metrics
+
+
+#: Metric prefix of ``lp_reg_global`` (the mode table's ``metric_prefix``).
+LP_REG_PREFIX = "actor/lp_reg/"
+#: The per-micro-batch tallies :func:`lp_reg_objective` reports; the engine's step sums them over the micro-batches
+#: and the DP group into one figure per optimizer step (:mod:`.engine.step`), named without ``_in_micro_batch``.
+LP_REG_TALLIES = ("regularised", "selected_in_support", "kl_sum", "per_call_switched_off")
+
+
+def lp_reg_per_call_switched_off(advantages: torch.Tensor, response_mask: torch.Tensor, settings) -> int:
+    """The tokens the authors' per-call rule would leave unregularised in this one loss call: for each advantage sign
+    with a ratio > 0, its ``n`` tokens under ``response_mask`` when its quota ``max(1, int(n * rho))`` is not > 1
+    (their ``if k > 1``), i.e. ``0 < n < 2 / rho``."""
+    valid = response_mask.bool()
+    switched = 0
+    for tokens, ratio in ((valid & (advantages < 0), settings.neg_ratio), (valid & (advantages > 0), settings.pos_ratio)):
+        n = int(tokens.sum())
+        if ratio > 0 and n > 0 and max(1, int(n * ratio)) <= 1:
+            switched += n
+    return switched
+
+
+def lp_reg_objective(old_log_prob, log_prob, advantages, response_mask, mask, settings, proxy_log_prob):
+    """Lp-Reg's per-token loss (Lp-Reg-dev ``compute_policy_loss_lp_reg``, core_algos.py l.648-745 at 33b27e2) on
+    ``mask`` (the prepass's quota), with ``proxy_log_prob`` = log pi_proxy of each token (pi_old's, min-p filtered).
+
+    * A token of ``mask`` whose detached training log-prob is below the proxy's, ``log pi_theta < log pi_proxy``
+      (the authors' support test, on the training forward), is *regularised*: ``-A * r + ppo_kl_coef *
+      low_var_kl(log pi_theta, log pi_proxy)`` with ``r = exp(log pi_theta - log pi_old)`` unclipped and verl's
+      ``kl_penalty(..., "low_var_kl")``, as the authors' code;
+    * every other token keeps verl's ``vanilla`` dual-clip PPO surrogate (:func:`high_entropy_objective` with every
+      token kept). The authors' code has no dual clip (``max(-A r, -A clip(r))``); the two agree wherever ``r <=
+      clip_ratio_c`` (their scripts set ``clip_ratio_c`` 10 for verl's other losses).
+
+    Unregularised tokens never reach the exponent or the proxy (``torch.where`` on safe stand-ins), so a proxy of
+    ``-inf`` outside the min-p support or a large log-ratio elsewhere cannot make a NaN gradient.
+
+    Metrics: ``vanilla``'s, plus the micro-batch's tallies :data:`LP_REG_TALLIES` (``<prefix><name>_in_micro_batch``):
+    regularised tokens, selected tokens inside the proxy's support (finite proxy), the sum of the KL over the
+    regularised tokens, and :func:`lp_reg_per_call_switched_off`.
+    """
+    from verl.trainer.ppo.core_algos import kl_penalty
+
+    pg_losses, metrics = high_entropy_objective(old_log_prob, log_prob, advantages, response_mask,
+                                                torch.ones_like(mask, dtype=torch.bool), settings)
+    detached = log_prob.detach()
+    selected = mask & response_mask.bool()
+    regularised = selected & (detached < proxy_log_prob)
+    zero = log_prob.new_zeros(())
+    target = torch.where(regularised, proxy_log_prob.to(log_prob.dtype), detached)
+    kl = kl_penalty(log_prob, target, "low_var_kl")
+    ratio = torch.exp(torch.where(regularised, log_prob - old_log_prob, zero))
+    regularised_losses = -torch.where(regularised, advantages, zero) * ratio + settings.ppo_kl_coef * kl
+    pg_losses = torch.where(regularised, regularised_losses, pg_losses)
+    tallies = {
+        "regularised": float(regularised.sum()),
+        "selected_in_support": float((selected & torch.isfinite(proxy_log_prob)).sum()),
+        "kl_sum": float(torch.where(regularised, kl.detach(), zero).sum(dtype=torch.float64)),
+        "per_call_switched_off": float(lp_reg_per_call_switched_off(advantages, response_mask, settings)),
+    }
+    metrics.update({f"{LP_REG_PREFIX}{name}_in_micro_batch": value for name, value in tallies.items()})
+    return pg_losses, metrics

@@ -31,11 +31,13 @@ from .config import (
     ClipCovGlobalPolicyLossConfig,
     HighEntropyGlobalPolicyLossConfig,
     KLCovGlobalPolicyLossConfig,
+    LpRegGlobalPolicyLossConfig,
     StareGlobalPolicyLossConfig,
     loss_mode_of,
     read_clip_cov_settings,
     read_high_entropy_settings,
     read_kl_cov_settings,
+    read_lp_reg_settings,
     read_stare_settings,
 )
 from .layout import MinibatchFields, read_fields
@@ -43,6 +45,7 @@ from .loss import (
     ClipCovMaskUnavailableError,
     HighEntropyMaskUnavailableError,
     KLCovMaskUnavailableError,
+    LpRegMaskUnavailableError,
     Objective,
     SelectionMaskUnavailableError,
     StareMaskUnavailableError,
@@ -50,6 +53,7 @@ from .loss import (
     global_policy_loss,
     high_entropy_objective,
     kl_cov_objective,
+    lp_reg_objective,
     stare_objective,
 )
 from .selection import (
@@ -57,11 +61,12 @@ from .selection import (
     select_clip_cov_tokens,
     select_high_entropy_tokens,
     select_kl_cov_tokens,
+    select_lp_reg_tokens,
     select_stare_tokens,
 )
 from .stare_control import stare_update_rule
 
-__all__ = ["CLIP_COV", "HIGH_ENTROPY", "KL_COV", "MODES", "STARE", "ModeSpec", "Selection", "global_mode_of", "register_mode"]
+__all__ = ["CLIP_COV", "HIGH_ENTROPY", "KL_COV", "LP_REG", "MODES", "STARE", "ModeSpec", "Selection", "global_mode_of", "register_mode"]
 
 
 class Selection(Protocol):
@@ -136,7 +141,10 @@ class ModeSpec:
       gate and schedule), None for none. A mode with one reads verl's log-prob pass in every ``prepass_layout``
       (:attr:`reads_batch_entropy`; the driver refuses ``bypass_mode``, which runs no pass);
       ``setting_warnings``: the mode's own guardrail warnings (:data:`SettingWarnings`); ``ratio_of``: what
-      ``ratio_knob`` is a fraction of, ``ratio_may_be_zero``: 0 is a valid value (the guardrails' wording).
+      ``ratio_knob`` is a fraction of, ``ratio_may_be_zero``: 0 is a valid value (the guardrails' wording);
+    * ``proxy_min_p(settings) -> kappa``: the mode's objective reads Lp-Reg's proxy of the old policy
+      (:mod:`.engine.proxy`), computed in verl's log-prob pass and held for the update in every ``prepass_layout``
+      (the driver refuses ``bypass_mode``); the step hands it to the objective as ``proxy_log_prob``. None: no proxy.
     """
 
     name: str
@@ -166,6 +174,7 @@ class ModeSpec:
     setting_warnings: Optional[SettingWarnings] = None
     ratio_of: str = "each optimizer minibatch's valid response tokens"
     ratio_may_be_zero: bool = False
+    proxy_min_p: Optional[Callable[[Any], float]] = None
 
     def __repr__(self) -> str:
         return f"ModeSpec({self.name!r})"
@@ -180,6 +189,11 @@ class ModeSpec:
     def reads_batch_entropy(self) -> bool:
         """The mode reads the old policy's entropy over the trainer step's batch from verl's log-prob pass."""
         return self.update_rule is not None
+
+    @property
+    def reads_log_prob_pass(self) -> bool:
+        """The mode needs verl's log-prob pass in every ``prepass_layout`` (its batch entropy, or Lp-Reg's proxy)."""
+        return self.reads_batch_entropy or self.proxy_min_p is not None
 
     def reads_entropy(self, settings: Any) -> bool:
         """Whether this step's prepass computes the entropy: the selection reads it (``prepass_reads_entropy``)
@@ -344,4 +358,23 @@ STARE = register_mode(ModeSpec(
     ratio_of="each advantage sign's valid response tokens of the optimizer minibatch",
     # no entropy controller (entropy_sign 0): STARE's gate and schedule are its own entropy feedback
     update_rule=stare_update_rule, setting_warnings=_stare_setting_warnings,
+))
+
+
+
+def _select_lp_reg(fields: MinibatchFields, settings, group) -> Selection:
+    return select_lp_reg_tokens(fields.log_probs, fields.response["advantages"], fields.response_mask,
+                                settings.neg_ratio, settings.pos_ratio, group=group)
+
+
+LP_REG = register_mode(ModeSpec(
+    name="lp_reg_global", upstream="lp_reg_per_micro_batch", metric_prefix="actor/lp_reg/",
+    knobs=("lp_reg_neg_ratio", "lp_reg_pos_ratio", "lp_reg_min_p", "ppo_kl_coef", "prepass_layout"),
+    plugin_knobs=("lp_reg_neg_ratio", "lp_reg_pos_ratio", "lp_reg_min_p", "prepass_layout"),
+    read_settings=read_lp_reg_settings, response_fields=("advantages",), select=_select_lp_reg,
+    objective=lp_reg_objective, no_mask_error=LpRegMaskUnavailableError, config_class=LpRegGlobalPolicyLossConfig,
+    # Huang et al. 2025 (arXiv:2510.03222), recipe/lp_reg/*.sh: rho- 0.01 (0.005 for Qwen2.5-32B)
+    ratio_knob="lp_reg_neg_ratio", paper_ratios=(("7B", 0.01), ("32B", 0.005)), ratio_warning=None,
+    ratio_of="each optimizer minibatch's negative-advantage valid response tokens",
+    proxy_min_p=lambda settings: settings.min_p,  # no entropy controller (entropy_sign 0)
 ))

@@ -9,7 +9,8 @@ patch is applied or any loss is registered.
 What is checked (names, signatures, dataclass fields; no verl source text):
 
 * what the reuse of verl's log-prob pass wraps (``engine/reuse.py``): ``TrainingWorker.infer_batch(self, data)``,
-  ``BaseEngine.infer_batch`` inherited by the FSDP engine, verl's sharded weight-restore helpers;
+  ``BaseEngine.infer_batch`` inherited by the FSDP engine, verl's sharded weight-restore helpers, and
+  ``FSDPEngineWithLMHead.prepare_model_outputs`` (Lp-Reg's proxy, ``engine/proxy.py``);
 * the prepass hook's target and the engine calls it makes (``engine/``):
   ``BaseEngine.train_batch(self, data, loss_function)``, ``infer_batch``, ``optimizer_zero_grad``,
   ``get_data_parallel_group``, ``to(device, model, optimizer, grad)``; ``FSDPEngineWithLMHead``
@@ -54,7 +55,7 @@ __all__ = ["GLOBAL_MODE_NAMES", "KNOWN_VERL_VERSIONS", "SEAMS", "Seam", "VerlSea
 KNOWN_VERL_VERSIONS = ("0.8.0", "0.9.1")
 #: The loss modes the package registers (``modes.MODES``' built-in names; ``tests/test_seams.py`` keeps the two
 #: equal). Named here so that a process whose seam check failed can still answer for them.
-GLOBAL_MODE_NAMES = ("kl_cov_global", "clip_cov_global", "high_entropy_global", "stare_global")
+GLOBAL_MODE_NAMES = ("kl_cov_global", "clip_cov_global", "high_entropy_global", "stare_global", "lp_reg_global")
 
 
 class VerlSeamError(ImportError):
@@ -215,6 +216,11 @@ SEAMS: tuple[Seam, ...] = (
     Seam("verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead inherits BaseEngine.infer_batch",
          _fsdp_engine_inherits("infer_batch", "keeping of verl's log-prob pass")),
     Seam("verl.workers.engine_workers.TrainingWorker.infer_batch(self, data)", _training_worker_infer_batch),
+    # engine/proxy.py: PATCH proxy_log_prob_in_pass (Lp-Reg's proxy from the log-prob pass's logits)
+    Seam("verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs(self, output, "
+         "output_args, micro_batch, logits_processor_func)",
+         _signature("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead.prepare_model_outputs",
+                    ["self", "output", "output_args", "micro_batch", "logits_processor_func"])),
     Seam("verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu(model, cpu_sharded_state, target_spec) / "
          "fsdp1_sharded_load_from_cpu(model, cpu_sharded_state)", _restore_helpers),
     Seam("verl.workers.config.FSDPEngineConfig fields strategy, infer_micro_batch_size_per_gpu, "

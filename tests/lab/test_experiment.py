@@ -18,7 +18,8 @@ def test_the_default_training_micro_batch_size_divides_the_minibatch(rows, limit
 
 
 def test_the_compared_modes_come_from_the_table():
-    assert registered_global_modes() == ("clip_cov_global", "high_entropy_global", "kl_cov_global", "stare_global")
+    assert registered_global_modes() == ("clip_cov_global", "high_entropy_global", "kl_cov_global", "lp_reg_global",
+                                         "stare_global")
     assert (upstream_mode("kl_cov_global"), upstream_mode("clip_cov_global")) == ("kl_cov", "clip_cov")
     assert compared_modes("kl_cov_global") == ("vanilla", "kl_cov", "kl_cov_global", "kl_cov_global[prepass=train]")
     assert compared_modes("clip_cov_global") == ("vanilla", "clip_cov", "clip_cov_global")
@@ -31,6 +32,8 @@ def test_the_compared_modes_come_from_the_table():
     # so is stare_global's: the authors' per-loss-call STARE (lab/per_micro_batch.py)
     assert compared_modes("stare_global") == ("vanilla", "stare_per_micro_batch", "stare_global")
     assert upstream_counts("stare_per_micro_batch") is STARE
+    # and lp_reg_global's: the authors' per-loss-call Lp-Reg
+    assert compared_modes("lp_reg_global") == ("vanilla", "lp_reg_per_micro_batch", "lp_reg_global")
 
 
 @pytest.mark.slow  # verl's engine on CPU

@@ -1,5 +1,5 @@
 """The plugin's Hydra configs, shipped in the wheel: ``kl_cov_global.yaml``, ``clip_cov_global.yaml``,
-``high_entropy_global.yaml`` and ``stare_global.yaml``.
+``high_entropy_global.yaml``, ``stare_global.yaml`` and ``lp_reg_global.yaml``.
 
 Each is verl's ``ppo_trainer`` config with the policy loss switched to the plugin's mode. Once the
 package is installed, ``hydra_plugins.verl_klcov_global_searchpath`` puts this folder on every Hydra
@@ -14,4 +14,4 @@ import os
 #: This folder: the one copy of the plugin's configs.
 CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
 #: The config names it holds.
-CONFIG_NAMES = ("kl_cov_global", "clip_cov_global", "high_entropy_global", "stare_global")
+CONFIG_NAMES = ("kl_cov_global", "clip_cov_global", "high_entropy_global", "stare_global", "lp_reg_global")

@@ -30,6 +30,12 @@ are checked once, at import, by :mod:`verl_klcov_global.seams` (a moved seam rai
   ``verl.workers.engine.base.BaseEngine.infer_batch(self, data, loss_function=None)`` (~134, inherited
   by the FSDP engine) to hand its outputs to :func:`.reuse.after_infer_batch`, which keeps them only
   inside such a pass (on every rank, Ulysses SP included). Installed by :func:`install_reuse`.
+* ``proxy_log_prob_in_pass`` (same processes): wraps
+  ``verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs(self, output, output_args,
+  micro_batch, logits_processor_func)`` (~1332) with :func:`.proxy.prepare_model_outputs_with_proxy`: where the
+  micro-batch carries :data:`.proxy.PROXY_REQUEST_KEY` (set by ``log_prob_pass_context`` for an ``lp_reg_global``
+  actor's pass), Lp-Reg's proxy log-probs are computed from the logits and added to the model output, which
+  ``log_prob_pass_keep`` keeps and removes. Installed by :func:`install_reuse`.
 * ``weight_restore_bumps_version``: wraps ``verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu`` and,
   where verl has it (0.9.1 and later), ``fsdp1_sharded_load_from_cpu``: the restore of saved weights that
   ``separate_async`` / fully async training make around the log-prob pass
@@ -55,9 +61,10 @@ from .. import driver
 from ..config import OLD_POLICY_LAYOUT
 from ..modes import global_mode_of
 from . import reuse
+from .proxy import PROXY_REQUEST_KEY, prepare_model_outputs_with_proxy
 from .step import actor_config_of, train_batch_with_prepass
 
-__all__ = ["PATCHES", "Patch", "install", "install_driver_checks", "install_hook", "install_reuse",
+__all__ = ["PATCHES", "Patch", "install", "install_driver_checks", "install_hook", "install_proxy", "install_reuse", "proxy_log_prob_pass",
            "is_hook_installed", "is_reuse_installed", "uninstall_hook", "uninstall_reuse"]
 
 #: Attribute of a wrapper holding verl's original function (also how "already installed" is seen).
@@ -94,6 +101,11 @@ PATCHES: tuple[Patch, ...] = (
           "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead inherits BaseEngine.infer_batch",
           "every process that imports the plugin (permanent); keeps only inside log_prob_pass_context",
           "engine.reuse.after_infer_batch"),
+    Patch("proxy_log_prob_in_pass", "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs",
+          "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs(self, output, "
+          "output_args, micro_batch, logits_processor_func)",
+          "every process that imports the plugin (permanent); computes only where a micro-batch carries "
+          "PROXY_REQUEST_KEY (lp_reg_global's log-prob pass)", "engine.proxy.prepare_model_outputs_with_proxy"),
     Patch("weight_restore_bumps_version",
           "verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu (and fsdp1_sharded_load_from_cpu where defined)",
           "verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu(model, cpu_sharded_state, target_spec) / "
@@ -179,7 +191,10 @@ def _training_worker_class():
 
 
 def _log_prob_pass_of(worker, data):
-    """:func:`.reuse.log_prob_pass` for this ``TrainingWorker.infer_batch`` call, or a null context."""
+    """:func:`.reuse.log_prob_pass` for this ``TrainingWorker.infer_batch`` call, or a null context.
+
+    A mode that reads Lp-Reg's proxy (``ModeSpec.proxy_min_p``) keeps and holds the pass in every layout, with
+    :data:`.proxy.PROXY_REQUEST_KEY` set on the batch for the pass (PATCH ``proxy_log_prob_in_pass``)."""
     config = actor_config_of(getattr(worker, "loss_fn", None))  # None for a reference or value model
     mode = global_mode_of(config)
     engine = getattr(worker, "engine", None)
@@ -194,6 +209,9 @@ def _log_prob_pass_of(worker, data):
     except ValueError:  # a bad knob: the update raises it by name; nothing to keep
         return contextlib.nullcontext()
     reads_batch_entropy = mode.reads_batch_entropy  # a once-per-trainer-step rule: every layout (engine/schedule.py)
+    if mode.proxy_min_p is not None:  # pi_old's proxy log-probs, held for every step of the update
+        return proxy_log_prob_pass(engine, data, mode.proxy_min_p(settings), keep_entropy=mode.reads_entropy(settings),
+                           batch_entropy=reads_batch_entropy)
     if settings.prepass_layout == OLD_POLICY_LAYOUT:  # pi_old's entropy, held for every step of the update
         keep = mode.reads_entropy(settings)
         if not keep and not reads_batch_entropy:
@@ -206,9 +224,23 @@ def _log_prob_pass_of(worker, data):
     return reuse.log_prob_pass(engine, keep_entropy=mode.reads_entropy(settings), batch_entropy=reads_batch_entropy)
 
 
+@contextlib.contextmanager
+def proxy_log_prob_pass(engine, data: TensorDict, min_p: float, *, keep_entropy: bool, batch_entropy: bool):
+    """The log-prob pass with Lp-Reg's proxy requested on ``data`` (removed again after the pass)."""
+    from verl.utils import tensordict_utils as tu
+
+    tu.assign_non_tensor(data, **{PROXY_REQUEST_KEY: float(min_p)})
+    try:
+        with reuse.log_prob_pass(engine, keep_entropy=keep_entropy, keep_proxy=True, batch_entropy=batch_entropy):
+            yield
+    finally:
+        if PROXY_REQUEST_KEY in data.keys():
+            del data[PROXY_REQUEST_KEY]
+
+
 def install_reuse() -> None:
-    """Install PATCHES ``log_prob_pass_context``, ``log_prob_pass_keep`` and ``weight_restore_bumps_version``
-    (idempotent)."""
+    """Install PATCHES ``log_prob_pass_context``, ``log_prob_pass_keep``, ``proxy_log_prob_in_pass`` and
+    ``weight_restore_bumps_version`` (idempotent)."""
     import verl.utils.fsdp_utils as fsdp_utils
 
     worker_class = _training_worker_class()
@@ -226,6 +258,8 @@ def install_reuse() -> None:
 
         setattr(worker_infer_batch, ORIGINAL_ATTR, current_worker_infer)
         worker_class.infer_batch = worker_infer_batch
+
+    install_proxy()
 
     if getattr(BaseEngine.infer_batch, ORIGINAL_ATTR, None) is None:
         current_infer = BaseEngine.infer_batch
@@ -258,6 +292,28 @@ def _restore_wrapper(current: Callable) -> Callable:
     return restore
 
 
+def _lm_head_engine_class():
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    return FSDPEngineWithLMHead
+
+
+def install_proxy() -> None:
+    """Install PATCH ``proxy_log_prob_in_pass`` (idempotent)."""
+    engine_class = _lm_head_engine_class()
+    current = engine_class.prepare_model_outputs
+    if getattr(current, ORIGINAL_ATTR, None) is not None:
+        return
+
+    @functools.wraps(current)
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        return prepare_model_outputs_with_proxy(current, self, output, output_args, micro_batch,
+                                                logits_processor_func)
+
+    setattr(prepare_model_outputs, ORIGINAL_ATTR, current)
+    engine_class.prepare_model_outputs = prepare_model_outputs
+
+
 def is_reuse_installed() -> bool:
     """True when PATCH ``log_prob_pass_keep`` is active in this process."""
     return getattr(BaseEngine.infer_batch, ORIGINAL_ATTR, None) is not None
@@ -268,7 +324,8 @@ def uninstall_reuse() -> None:
     import verl.utils.fsdp_utils as fsdp_utils
 
     worker_class = _training_worker_class()
-    targets = [(BaseEngine, "infer_batch")] + [(fsdp_utils, name) for name in RESTORE_HELPERS]
+    targets = [(BaseEngine, "infer_batch"), (_lm_head_engine_class(), "prepare_model_outputs")] + [
+        (fsdp_utils, name) for name in RESTORE_HELPERS]
     if worker_class is not None:
         targets.append((worker_class, "infer_batch"))
     for owner, name in targets:

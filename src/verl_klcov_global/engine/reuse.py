@@ -65,8 +65,9 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from ..layout import padded
+from .proxy import PROXY_OUTPUT_KEY
 
-__all__ = ["REUSE_RECORD_NAME", "after_infer_batch", "agreed", "disabled", "forget", "held_entropy", "kept_nbytes",
+__all__ = ["REUSE_RECORD_NAME", "after_infer_batch", "agreed", "disabled", "forget", "held_entropy", "held_proxy", "kept_nbytes",
            "kept_rows", "last_reason",
            "log_prob_pass", "take", "weights_changed", "weights_restored", "weights_version"]
 
@@ -87,10 +88,11 @@ class _Kept:
     log_probs: torch.Tensor  # (tokens,) the response tokens' log-probs, rows one after another
     entropy: Optional[torch.Tensor]  # (tokens,) or None
     held: bool = False  # kept for the whole update (prepass_layout=old): a weights bump does not free it
+    proxy: Optional[torch.Tensor] = None  # (tokens,) Lp-Reg's log pi_proxy (engine/proxy.py), or None
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.offsets, self.log_probs] + ([self.entropy] if self.entropy is not None else [])
+        tensors = [self.offsets, self.log_probs] + [t for t in (self.entropy, self.proxy) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors) + 16 * len(self.index)
 
 
@@ -117,6 +119,7 @@ class _Pass:
     hold: bool = False
     keep: bool = True  # keep the per-token statistics (reuse, held entropy)
     batch_entropy: bool = False  # record the batch-entropy sums (engine/batch_entropy.py)
+    keep_proxy: bool = False  # keep Lp-Reg's proxy log-probs (engine/proxy.py); implies hold
 
 
 _PASS: contextvars.ContextVar[Optional[_Pass]] = contextvars.ContextVar("verl_klcov_global_log_prob_pass",
@@ -206,7 +209,7 @@ def _tracked_state(engine) -> Optional[_EngineState]:
 
 @contextlib.contextmanager
 def log_prob_pass(engine, *, keep_entropy: bool, hold: bool = False, keep: bool = True,
-                  batch_entropy: bool = False) -> Iterator[None]:
+                  batch_entropy: bool = False, keep_proxy: bool = False) -> Iterator[None]:
     """Inside this block, a call of ``engine.infer_batch`` is verl's log-prob pass to keep (:func:`after_infer_batch`).
 
     ``keep=False``: no per-token statistics are kept; ``batch_entropy``: the pass's batch-entropy sums are recorded
@@ -215,8 +218,11 @@ def log_prob_pass(engine, *, keep_entropy: bool, hold: bool = False, keep: bool 
 
     ``hold``: keep it for the whole update, until the next pass replaces it (``prepass_layout=old``, whose every
     optimizer step reads pi_old's entropy: :func:`held_entropy`); reuse (:func:`take`) still needs the weights
-    version of the pass, so a held pass is never handed to a step after the first weights bump."""
-    token = _PASS.set(_Pass(engine, keep_entropy, hold, keep, batch_entropy))
+    version of the pass, so a held pass is never handed to a step after the first weights bump.
+
+    ``keep_proxy``: the pass also computes Lp-Reg's proxy log-probs (:mod:`.proxy`; the caller sets
+    :data:`.proxy.PROXY_REQUEST_KEY` on the batch) and they are kept and held with it (:func:`held_proxy`)."""
+    token = _PASS.set(_Pass(engine, keep_entropy, hold or keep_proxy, keep or keep_proxy, batch_entropy, keep_proxy))
     try:
         yield
     finally:
@@ -228,13 +234,15 @@ def after_infer_batch(engine, data: TensorDict, outputs: Any) -> None:
     log-prob pass opened by :func:`log_prob_pass` for this engine; anything else (the prepass's own forwards,
     other engines, other calls) is left alone."""
     current = _PASS.get()
+    model_output = outputs.get("model_output") if isinstance(outputs, dict) else None
+    proxy = model_output.pop(PROXY_OUTPUT_KEY, None) if isinstance(model_output, dict) else None  # never verl's
     if current is None or current.engine is not engine:
         return
     if current.batch_entropy:
         from . import batch_entropy
 
         batch_entropy.record_pass(engine, data, outputs)  # never raises
-    if not current.keep or _DISABLED[0]:
+    if not current.keep or (_DISABLED[0] and not current.keep_proxy):  # the proxy has no other source
         return
     state = None
     try:  # whatever goes wrong here costs a prepass later, never verl's pass
@@ -242,15 +250,16 @@ def after_infer_batch(engine, data: TensorDict, outputs: Any) -> None:
         if state is None:
             return
         state.kept = None  # a new pass replaces the previous one, whatever happens below
-        state.kept, state.missing = _keep(state.version, data, outputs, current.keep_entropy, current.hold)
+        state.kept, state.missing = _keep(state.version, data, outputs, current.keep_entropy, current.hold,
+                                          proxy if current.keep_proxy else None, current.keep_proxy)
     except Exception as error:  # e.g. a layout this code does not know
         if state is not None:
             state.kept = None
             state.missing = f"verl's log-prob pass could not be kept ({type(error).__name__}: {error})"
 
 
-def _keep(version: int, data: TensorDict, outputs: Any, keep_entropy: bool,
-          hold: bool = False) -> tuple[Optional[_Kept], str]:
+def _keep(version: int, data: TensorDict, outputs: Any, keep_entropy: bool, hold: bool = False,
+          proxy: Optional[torch.Tensor] = None, keep_proxy: bool = False) -> tuple[Optional[_Kept], str]:
     from verl.workers.utils.padding import no_padding_2_padding
 
     model_output = outputs.get("model_output") if isinstance(outputs, dict) else None
@@ -268,6 +277,11 @@ def _keep(version: int, data: TensorDict, outputs: Any, keep_entropy: bool,
         if "entropy" not in model_output:
             return None, "verl's log-prob pass computed no entropy (calculate_entropy=False)"
         values.append(no_padding_2_padding(model_output["entropy"], data))
+    if keep_proxy:
+        if proxy is None:
+            return None, ("verl's log-prob pass computed no Lp-Reg proxy (PATCH proxy_log_prob_in_pass did not run: "
+                          "is the actor verl's FSDP engine?)")
+        values.append(no_padding_2_padding(proxy, data))
     inside = torch.arange(values[0].shape[1]).unsqueeze(0) < response_lens.unsqueeze(1)
     flat = [v.detach().to("cpu")[inside] for v in values]
     offsets = torch.zeros(len(digests) + 1, dtype=torch.int64)
@@ -281,7 +295,7 @@ def _keep(version: int, data: TensorDict, outputs: Any, keep_entropy: bool,
                 torch.equal(f[offsets[row]:offsets[row + 1]], f[offsets[first]:offsets[first + 1]]) for f in flat):
             index[digest] = _AMBIGUOUS
     kept = _Kept(version=version, settings=_pass_settings(data), index=index, offsets=offsets, log_probs=flat[0],
-                 entropy=flat[1] if keep_entropy else None, held=hold)
+                 entropy=flat[1] if keep_entropy else None, held=hold, proxy=flat[-1] if keep_proxy else None)
     return kept, "kept"
 
 
@@ -356,10 +370,10 @@ def _look_up(engine, state: Optional[_EngineState], data: TensorDict, needs_entr
     return _gather(kept, rows, data), "reused"
 
 
-def _gather(kept: _Kept, rows: list[int], data: TensorDict,
-            log_probs: bool = True) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def _gather(kept: _Kept, rows: list[int], data: TensorDict, log_probs: bool = True,
+            fields: Optional[tuple[Optional[torch.Tensor], ...]] = None) -> tuple[Optional[torch.Tensor], ...]:
     """The kept statistics of ``rows`` as the prepass returns them: (batch, width), zeros after each response
-    (``log_probs=False``: the entropy only, the log-probs None)."""
+    (``log_probs=False``: the entropy only, the log-probs None; ``fields``: these kept per-token tensors instead)."""
     from verl.utils.device import get_device_id
 
     width = padded(data["response_mask"]).shape[1]
@@ -372,14 +386,14 @@ def _gather(kept: _Kept, rows: list[int], data: TensorDict,
     source = (starts.unsqueeze(1) + positions)[inside]
     device = get_device_id()
     out = []
-    for flat in (kept.log_probs if log_probs else None, kept.entropy):
+    for flat in fields if fields is not None else (kept.log_probs if log_probs else None, kept.entropy):
         if flat is None:
             out.append(None)
             continue
         dense = torch.zeros(len(rows), width, dtype=flat.dtype)
         dense[inside] = flat[source]
         out.append(dense.to(device))
-    return out[0], out[1]
+    return tuple(out)
 
 
 def held_entropy(engine, data: TensorDict) -> tuple[Optional[torch.Tensor], str]:
@@ -395,6 +409,22 @@ def held_entropy(engine, data: TensorDict) -> tuple[Optional[torch.Tensor], str]
     if rows is None:
         return None, reason
     return _gather(kept, rows, data, log_probs=False)[1], "held"
+
+
+def held_proxy(engine, data: TensorDict) -> tuple[Optional[torch.Tensor], str]:
+    """Lp-Reg's proxy log-probs of ``data``'s rows (pi_old's, :mod:`.proxy`), (batch, response width) on the engine's
+    device (``-inf`` outside the min-p support, zeros after each response), from the log-prob pass held for this
+    update, whatever optimizer steps came since; or ``(None, why not)``. Local: the caller agrees over the ranks.
+    Rows are matched by content, as in :func:`take`."""
+    kept, reason = _kept_of(engine, _STATES.get(engine))
+    if kept is None:
+        return None, reason
+    if kept.proxy is None:
+        return None, "verl's log-prob pass was kept without Lp-Reg's proxy"
+    rows, reason = _rows_in(kept, data)
+    if rows is None:
+        return None, reason
+    return _gather(kept, rows, data, fields=(kept.proxy,))[0], "held"
 
 
 def agreed(ok: bool) -> bool:

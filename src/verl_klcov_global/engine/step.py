@@ -47,19 +47,21 @@ import functools
 import time
 from typing import Any, Callable, Iterator, Optional
 
+import torch
 from tensordict import TensorDict
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.base import BaseEngine
 
-from ..config import MASK_FIELD, SUPPORTED_STRATEGIES, unsupported_strategy_message
-from ..layout import mask_in_layout_of, micro_batch_mask
-from ..loss import provide_selection_mask
+from ..config import LP_REG_PROXY_FIELD, MASK_FIELD, SUPPORTED_STRATEGIES, unsupported_strategy_message
+from ..layout import mask_in_layout_of, micro_batch_mask, micro_batch_values, values_in_layout_of
+from ..loss import LP_REG_TALLIES, provide_selection_mask
 from ..modes import ModeSpec, global_mode_of
 from ..seams import known_versions_text
+from . import reuse
 from .prepass import PrepassResult, run_prepass_and_select
 from .schedule import settings_for_step
 
-__all__ = ["UnsupportedEngineError", "actor_config_of", "observe_selections", "require_supported_engine",
+__all__ = ["ProxyUnavailableError", "UnsupportedEngineError", "actor_config_of", "observe_selections", "require_supported_engine",
            "train_batch_with_prepass"]
 
 _SELECTION_OBSERVERS: list[Callable[[BaseEngine, PrepassResult], None]] = []
@@ -67,6 +69,10 @@ _SELECTION_OBSERVERS: list[Callable[[BaseEngine, PrepassResult], None]] = []
 
 class UnsupportedEngineError(RuntimeError):
     """A global loss mode was selected on an engine the prepass does not cover."""
+
+
+class ProxyUnavailableError(RuntimeError):
+    """A mode that reads Lp-Reg's proxy found none held for this optimizer step's rows (raised on every rank)."""
 
 
 @contextlib.contextmanager
@@ -105,14 +111,24 @@ def train_batch_with_prepass(original: Callable, engine: BaseEngine, data: Tenso
     if mode.update_rule is not None:  # once per trainer step, read at every optimizer step (engine/schedule.py)
         settings, rule_figures = settings_for_step(engine, mode, settings)
         step_settings = settings
+    proxy = _held_proxy(engine, data, mode) if mode.proxy_min_p is not None else None
     prepass = run_prepass_and_select(engine, data, settings, mode)
     for observer in list(_SELECTION_OBSERVERS):
         observer(engine, prepass)
     data[MASK_FIELD] = mask_in_layout_of(prepass.selection.mask, data["response_mask"])
+    token_fields = {}
+    if proxy is not None:  # per token, so verl's micro-batch split carries each slice (as the mask)
+        data[LP_REG_PROXY_FIELD] = values_in_layout_of(proxy, data["response_mask"], dtype=torch.float32)
+        token_fields["proxy_log_prob"] = LP_REG_PROXY_FIELD
     try:
-        outputs = original(engine, data, functools.partial(_loss_with_mask_slice, loss_function, step_settings))
+        outputs = original(engine, data, functools.partial(_loss_with_mask_slice, loss_function, step_settings,
+                                                           _token_fields=token_fields))
     finally:
         del data[MASK_FIELD]
+        if proxy is not None:
+            del data[LP_REG_PROXY_FIELD]
+    if proxy is not None:  # collective: every rank, whatever its outputs
+        rule_figures = {**rule_figures, **_lp_reg_step_figures(engine, outputs, mode, prepass)}
     step_seconds = time.perf_counter() - started
     if isinstance(outputs, dict) and isinstance(outputs.get("metrics"), dict):
         prefix = mode.metric_prefix
@@ -143,9 +159,56 @@ def require_supported_engine(engine: BaseEngine, mode: ModeSpec) -> None:
             mode.name, mode.upstream, f"this actor runs {type(engine).__name__} with strategy {strategy!r}"))
 
 
-def _loss_with_mask_slice(loss_function: Callable, step_settings: Any, *args, **kwargs):
+def _held_proxy(engine: BaseEngine, data: TensorDict, mode: ModeSpec):
+    """pi_old's proxy log-probs of the minibatch's rows, held from verl's log-prob pass; every rank gets one, or every
+    rank raises :class:`ProxyUnavailableError` (the decision is agreed first: no rank waits in a collective)."""
+    try:
+        proxy, why = reuse.held_proxy(engine, data)
+    except Exception as error:  # every rank must reach the agreement below
+        proxy, why = None, f"look-up failed ({type(error).__name__}: {error})"
+    if not reuse.agreed(proxy is not None):
+        raise ProxyUnavailableError(
+            f"loss_mode={mode.name} reads its proxy pi_proxy, computed in verl's log-prob pass with the old policy and "
+            "held for the update, and " + ("another rank has none for its minibatch" if proxy is not None
+                                           else f"this rank has none: {why}")
+            + ". The plugin computes it where the actor's compute_log_prob runs through verl's engine TrainingWorker "
+            "(the legacy or the v1 sync trainer, bypass_mode=False) with the plugin loaded in the worker")
+    return proxy
+
+
+def _lp_reg_step_figures(engine: BaseEngine, outputs: Any, mode: ModeSpec, prepass: PrepassResult) -> dict:
+    """The loss's per-micro-batch tallies (:data:`.loss.LP_REG_TALLIES`) summed over this step's micro-batches and the
+    DP group (one all-reduce of 4 float64), as figures: ``regularised``, ``selected_in_support_share``, ``kl_mean``
+    (over the regularised tokens) and ``per_call_switched_off``. The raw per-micro-batch entries are removed."""
+    import torch.distributed as dist
+    from verl.utils.device import get_device_id
+
+    metrics = outputs.get("metrics") if isinstance(outputs, dict) else None
+    totals = []
+    for name in LP_REG_TALLIES:
+        values = metrics.pop(f"{mode.metric_prefix}{name}_in_micro_batch", []) if isinstance(metrics, dict) else []
+        values = getattr(values, "values", values)  # verl 0.9: a Metric per key (its .values, one per micro-batch)
+        values = values if isinstance(values, list) else [values]
+        totals.append(sum(float(v) for v in values))
+    sums = torch.tensor(totals, dtype=torch.float64, device=get_device_id())
+    group = engine.get_data_parallel_group()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    regularised, in_support, kl_sum, switched_off = sums.tolist()
+    selected = prepass.selection.num_selected
+    figures = {"regularised": regularised, "per_call_switched_off": switched_off}
+    if selected:
+        figures["selected_in_support_share"] = in_support / selected
+    if regularised:
+        figures["kl_mean"] = kl_sum / regularised
+    return figures
+
+
+def _loss_with_mask_slice(loss_function: Callable, step_settings: Any, *args, _token_fields: Optional[dict] = None,
+                          **kwargs):
     """verl's loss function, called inside ``provide_selection_mask`` with this micro-batch's mask slice (and the
-    step's settings where the mode's ``update_rule`` moved them, else None).
+    step's settings where the mode's ``update_rule`` moved them, else None; and ``_token_fields``, objective argument ->
+    per-token minibatch field, each sliced like the mask: Lp-Reg's proxy).
 
     verl also passes the same function as a logits processor for top-k distillation
     (``logits_processor_func(student_logits=..., data=...)``, verl 0.9.1
@@ -153,16 +216,17 @@ def _loss_with_mask_slice(loss_function: Callable, step_settings: Any, *args, **
     """
     if "student_logits" in kwargs:
         return loss_function(*args, **kwargs)
-    return _policy_loss_with_mask_slice(loss_function, step_settings, *args, **kwargs)
+    return _policy_loss_with_mask_slice(loss_function, step_settings, _token_fields or {}, *args, **kwargs)
 
 
-def _policy_loss_with_mask_slice(loss_function: Callable, step_settings: Any, model_output, data: TensorDict,
-                                 dp_group=None):
+def _policy_loss_with_mask_slice(loss_function: Callable, step_settings: Any, token_fields: dict, model_output,
+                                 data: TensorDict, dp_group=None):
     """``(loss, metrics)`` of verl's loss on this micro-batch, with its slice of the mask provided."""
     if MASK_FIELD not in data.keys():
         raise RuntimeError(
             f"micro-batch lost the per-token field {MASK_FIELD!r} on its way from the minibatch: verl's micro-batch "
             f"splitting changed (known to work: verl {known_versions_text()})"
         )
-    with provide_selection_mask(micro_batch_mask(data, MASK_FIELD), settings=step_settings):
+    fields = {name: micro_batch_values(data, key) for name, key in token_fields.items()}
+    with provide_selection_mask(micro_batch_mask(data, MASK_FIELD), settings=step_settings, token_fields=fields):
         return loss_function(model_output=model_output, data=data, dp_group=dp_group)

@@ -35,6 +35,8 @@ LAB_UPSTREAMS: dict[str, tuple[Callable[[], str], type]] = {
                                   _per_micro_batch.HighEntropyPerMicroBatchPolicyLossConfig),
     _per_micro_batch.STARE_COMPARATOR: (_per_micro_batch.register_stare_comparator,
                                         _per_micro_batch.StarePerMicroBatchPolicyLossConfig),
+    _per_micro_batch.LP_REG_COMPARATOR: (_per_micro_batch.register_lp_reg_comparator,
+                                         _per_micro_batch.LpRegPerMicroBatchPolicyLossConfig),
 }
 #: Upstream rules that read each micro-batch's entropy (the engine computes it for them: ``calculate_entropy``).
 ENTROPY_UPSTREAMS = (_per_micro_batch.COMPARATOR,)
@@ -215,6 +217,8 @@ def one_update(engine_spec: EngineSpec, batch: TensorDict, actor_config, layout:
 
         tu.assign_non_tensor(td, calculate_entropy=True)  # the training forward computes each micro-batch's entropy
     hold_old_policy_pass(engine, td, actor_config)
+    if actor_config.policy_loss.get("loss_mode", "vanilla") == _per_micro_batch.LP_REG_COMPARATOR:
+        _store_comparator_proxy(engine, td, actor_config)
     quotas: list[int] = []
     selections: list[PrepassResult] = []
     loss_function = functools.partial(functools.partial(_counting_ppo_loss, quotas), config=actor_config)
@@ -233,6 +237,24 @@ def one_update(engine_spec: EngineSpec, batch: TensorDict, actor_config, layout:
         selected_tokens=selected,
         metrics=dict(output.get("metrics", {})) if isinstance(output, dict) else {},
     )
+
+
+def _store_comparator_proxy(engine, td: TensorDict, actor_config) -> None:
+    """Lp-Reg's proxy for the lab's comparator (``lp_reg_per_micro_batch``): the same log-prob pass of pi_old that
+    ``lp_reg_global`` holds, stored as the per-token field ``LP_REG_PROXY_FIELD`` of ``td`` (verl's split carries
+    each micro-batch's slice to the comparator's loss call)."""
+    from ..config import LP_REG_PROXY_FIELD
+    from ..engine import reuse
+    from ..engine.proxy import PROXY_REQUEST_KEY
+    from ..layout import values_in_layout_of
+
+    min_p = float(actor_config.policy_loss.get("lp_reg_min_p", 0.02))
+    log_prob_pass(engine, td, reuse.log_prob_pass(engine, keep_entropy=False, keep_proxy=True),
+                  extra={PROXY_REQUEST_KEY: min_p})
+    proxy, why = reuse.held_proxy(engine, td)
+    if proxy is None:
+        raise RuntimeError(f"{_per_micro_batch.LP_REG_COMPARATOR}: no proxy held from the log-prob pass: {why}")
+    td[LP_REG_PROXY_FIELD] = values_in_layout_of(proxy, td["response_mask"], dtype=torch.float32)
 
 
 def hold_old_policy_pass(engine, td: TensorDict, actor_config) -> None:
@@ -254,6 +276,13 @@ def hold_old_policy_pass(engine, td: TensorDict, actor_config) -> None:
     if mode is None:
         return
     settings = mode.read_settings(actor_config)
+    if mode.proxy_min_p is not None:  # Lp-Reg's proxy from pi_old's logits, held for the update
+        from ..engine.proxy import PROXY_REQUEST_KEY
+
+        log_prob_pass(engine, td, reuse.log_prob_pass(engine, keep_entropy=mode.reads_entropy(settings),
+                                                      keep_proxy=True, batch_entropy=mode.reads_batch_entropy),
+                      extra={PROXY_REQUEST_KEY: float(mode.proxy_min_p(settings))})
+        return
     hold = settings.prepass_layout == OLD_POLICY_LAYOUT and mode.reads_entropy(settings)
     if not hold and not mode.reads_batch_entropy:
         return
@@ -261,16 +290,17 @@ def hold_old_policy_pass(engine, td: TensorDict, actor_config) -> None:
                                                   batch_entropy=mode.reads_batch_entropy))
 
 
-def log_prob_pass(engine, td: TensorDict, context=None) -> TensorDict:
+def log_prob_pass(engine, td: TensorDict, context=None, extra: Optional[dict] = None) -> TensorDict:
     """verl's actor log-prob pass on ``td`` (``compute_log_prob``: ``calculate_entropy=True``, the engine's log-prob
     inference micro-batching, eval mode), inside ``context`` (a :func:`verl_klcov_global.engine.reuse.log_prob_pass`
-    block, or none); returns its outputs (``model_output`` with nested ``log_probs`` and ``entropy``)."""
+    block, or none), with the non-tensor keys ``extra`` on its copy of ``td``; returns its outputs (``model_output``
+    with nested ``log_probs`` and ``entropy``)."""
     import contextlib
 
     from verl.utils import tensordict_utils as tu
 
     data = td.copy()
-    tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False)
+    tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, **(extra or {}))
     if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=False):
         tu.assign_non_tensor(data, max_token_len_per_gpu=engine.engine_config.infer_max_token_len_per_gpu)
     else:

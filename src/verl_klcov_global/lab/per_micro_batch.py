@@ -5,6 +5,7 @@ experiment, the research harness), never by the plugin or its entry point:
 
 * :data:`COMPARATOR` (``high_entropy_per_micro_batch``), ``high_entropy_global``'s: below;
 * :data:`STARE_COMPARATOR` (``stare_per_micro_batch``), ``stare_global``'s: section "STARE" further down.
+* :data:`LP_REG_COMPARATOR` (``lp_reg_per_micro_batch``), ``lp_reg_global``'s: section "Lp-Reg" at the end.
 
 High-entropy rule (``high_entropy_per_micro_batch``).
 
@@ -44,6 +45,11 @@ from .. import config as _config
 __all__ = [
     "COMPARATOR",
     "HighEntropyPerMicroBatchPolicyLossConfig",
+    "LP_REG_COMPARATOR",
+    "LP_REG_SELECTED_METRIC",
+    "LP_REG_SWITCHED_OFF_METRIC",
+    "LpRegPerMicroBatchPolicyLossConfig",
+    "MicroBatchProxyUnavailableError",
     "MicroBatchEntropyUnavailableError",
     "SELECTED_METRIC",
     "SELECTED_METRICS",
@@ -53,12 +59,16 @@ __all__ = [
     "StarePerMicroBatchPolicyLossConfig",
     "THRESHOLD_METRIC",
     "compute_policy_loss_high_entropy_per_micro_batch",
+    "compute_policy_loss_lp_reg_per_micro_batch",
     "compute_policy_loss_stare_per_micro_batch",
     "per_micro_batch_entropy_mask",
+    "per_micro_batch_lp_reg_mask",
     "per_micro_batch_stare_mask",
     "ppo_loss_with_entropy",
     "provide_micro_batch_entropy",
+    "provide_micro_batch_proxy",
     "register_comparator",
+    "register_lp_reg_comparator",
     "register_stare_comparator",
 ]
 
@@ -175,7 +185,17 @@ def ppo_loss_with_entropy(config, model_output, data, dp_group=None):
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
 
-    if config.policy_loss.get("loss_mode", "vanilla") != COMPARATOR:
+    loss_mode = config.policy_loss.get("loss_mode", "vanilla")
+    if loss_mode == LP_REG_COMPARATOR:  # the proxy held from the log-prob pass, a per-token field of the minibatch
+        from ..layout import micro_batch_values
+
+        if _config.LP_REG_PROXY_FIELD not in data.keys():
+            raise MicroBatchProxyUnavailableError(
+                f"loss_mode={LP_REG_COMPARATOR}: the micro-batch has no {_config.LP_REG_PROXY_FIELD} field "
+                "(verl_klcov_global.lab.experiment.one_update stores it)")
+        with provide_micro_batch_proxy(micro_batch_values(data, _config.LP_REG_PROXY_FIELD)):
+            return ppo_loss(config, model_output, data, dp_group)
+    if loss_mode != COMPARATOR:
         return ppo_loss(config, model_output, data, dp_group)
     entropy = model_output.get("entropy", None)
     if entropy is None:
@@ -197,7 +217,7 @@ STARE_COMPARATOR = "stare_per_micro_batch"
 STARE_SELECTED_METRIC = f"actor/{STARE_COMPARATOR}/selected_in_micro_batch"
 STARE_GATE_METRIC = f"actor/{STARE_COMPARATOR}/gate_on"
 #: Every lab comparator's selected-count metric (what the lab's counting loss function reads).
-SELECTED_METRICS = (SELECTED_METRIC, STARE_SELECTED_METRIC)
+SELECTED_METRICS = (SELECTED_METRIC, STARE_SELECTED_METRIC, "actor/lp_reg_per_micro_batch/selected_in_micro_batch")
 
 
 @dataclass
@@ -314,3 +334,128 @@ def register_stare_comparator() -> str:
     if POLICY_LOSS_REGISTRY.get(STARE_COMPARATOR) is not compute_policy_loss_stare_per_micro_batch:
         register_policy_loss(STARE_COMPARATOR)(compute_policy_loss_stare_per_micro_batch)
     return STARE_COMPARATOR
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Lp-Reg
+
+
+#: The lab-only loss name of Lp-Reg's per-loss-call rule, ``lp_reg_global``'s comparator (``policy_loss.loss_mode``).
+LP_REG_COMPARATOR = "lp_reg_per_micro_batch"
+#: Tokens the rule selected in one micro-batch (both signs, after the ``k > 1`` rule), and the tokens its ``k > 1``
+#: rule switched off there.
+LP_REG_SELECTED_METRIC = f"actor/{LP_REG_COMPARATOR}/selected_in_micro_batch"
+LP_REG_SWITCHED_OFF_METRIC = f"actor/{LP_REG_COMPARATOR}/switched_off_in_micro_batch"
+
+_PROXY: contextvars.ContextVar[Optional[torch.Tensor]] = contextvars.ContextVar("verl_klcov_global_lab_proxy",
+                                                                                default=None)
+
+
+class MicroBatchProxyUnavailableError(RuntimeError):
+    """The Lp-Reg comparator was called without its micro-batch's proxy log-probs."""
+
+
+@dataclass
+class LpRegPerMicroBatchPolicyLossConfig(PolicyLossConfig):
+    """verl's ``PolicyLossConfig`` plus ``lp_reg_global``'s knobs (the same names, defaults and validation:
+    :func:`verl_klcov_global.config.validate_lp_reg_knobs`), for the comparator."""
+
+    loss_mode: str = LP_REG_COMPARATOR
+    lp_reg_neg_ratio: float = _config.DEFAULT_LP_REG_NEG_RATIO
+    lp_reg_pos_ratio: float = _config.DEFAULT_LP_REG_POS_RATIO
+    lp_reg_min_p: float = _config.DEFAULT_LP_REG_MIN_P
+
+    def __post_init__(self):
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+        _config.validate_lp_reg_knobs(self)
+
+
+@contextlib.contextmanager
+def provide_micro_batch_proxy(proxy: torch.Tensor) -> Iterator[None]:
+    """Make ``proxy`` ((batch, response_len) log pi_proxy) the one the Lp-Reg comparator's loss call reads."""
+    token = _PROXY.set(proxy)
+    try:
+        yield
+    finally:
+        _PROXY.reset(token)
+
+
+def per_micro_batch_lp_reg_mask(log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+                                neg_ratio: float, pos_ratio: float) -> tuple[torch.Tensor, int]:
+    """The authors' selection on one loss call's tensors (Lp-Reg-dev ``compute_policy_loss_lp_reg`` l.722-741): per
+    advantage sign, ``k = max(1, int(n * rho))`` lowest log-probs (detached) of this call's ``n`` tokens, taken only
+    when ``k > 1``. Returns (the mask, the tokens of the signs switched off by ``k <= 1``). Ties at the k-th
+    log-prob: (row, position) within the call (the authors' ``torch.topk`` leaves them unspecified); tokens with a
+    non-finite log-prob or advantage are never selected."""
+    from ..selection.lp_reg import select_lp_reg_tokens
+
+    mask = torch.zeros_like(response_mask, dtype=torch.bool)
+    switched_off = 0
+    for neg, pos in ((neg_ratio, 0.0), (0.0, pos_ratio)):
+        if neg == 0.0 and pos == 0.0:
+            continue
+        selection = select_lp_reg_tokens(log_prob.detach(), advantages.detach(), response_mask, neg, pos, group=None)
+        candidates = selection.negative_candidates if neg else selection.positive_candidates
+        if selection.quota > 1:
+            mask |= selection.mask
+        else:
+            switched_off += candidates
+    return mask, switched_off
+
+
+def compute_policy_loss_lp_reg_per_micro_batch(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Lp-Reg as the authors run it, as a verl policy loss: the quota inside each loss call, i.e. per training
+    micro-batch, with their ``k > 1`` rule, which is what ``lp_reg_global`` fixes. Selection:
+    :func:`per_micro_batch_lp_reg_mask` on this call's ``log_prob`` (the training forward's, as their code reads
+    it); loss: :func:`verl_klcov_global.loss.lp_reg_objective` on that mask with this micro-batch's proxy
+    (:func:`provide_micro_batch_proxy`, which the lab's experiment sets from the same held log-prob pass as
+    ``lp_reg_global`` reads), times ``rollout_is_weights``, aggregated with verl's ``agg_loss``: ``lp_reg_global``'s
+    loss, only the selection differs. Metrics: :data:`LP_REG_SELECTED_METRIC`, :data:`LP_REG_SWITCHED_OFF_METRIC`."""
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    from ..loss import lp_reg_objective
+
+    proxy = _PROXY.get()
+    if proxy is None:
+        raise MicroBatchProxyUnavailableError(
+            f"loss_mode={LP_REG_COMPARATOR} is the lab's comparator and needs each micro-batch's proxy log-probs: run "
+            "it through verl_klcov_global.lab.experiment.one_update. For training, use loss_mode=lp_reg_global")
+    if proxy.shape != response_mask.shape:
+        raise ValueError(f"{LP_REG_COMPARATOR}: proxy has shape {tuple(proxy.shape)} but response_mask "
+                         f"{tuple(response_mask.shape)}: it belongs to another micro-batch")
+    try:
+        settings = _config.read_lp_reg_settings(config)
+    except ValueError as error:
+        raise ValueError(f"{LP_REG_COMPARATOR}: {error}; use LpRegPerMicroBatchPolicyLossConfig") from None
+    mask, switched_off = per_micro_batch_lp_reg_mask(log_prob, advantages, response_mask, settings.neg_ratio,
+                                                     settings.pos_ratio)
+    pg_losses, metrics = lp_reg_objective(old_log_prob, log_prob, advantages, response_mask, mask, settings,
+                                          proxy.to(log_prob.device))
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
+                       **config.global_batch_info)
+    metrics = {name: value for name, value in metrics.items() if not name.startswith("actor/lp_reg/")}
+    metrics[LP_REG_SELECTED_METRIC] = float(mask.sum().item())
+    metrics[LP_REG_SWITCHED_OFF_METRIC] = float(switched_off)
+    return pg_loss, metrics
+
+
+def register_lp_reg_comparator() -> str:
+    """Register :data:`LP_REG_COMPARATOR` in verl's ``POLICY_LOSS_REGISTRY`` in this process (idempotent); returns its
+    name. The lab's, never the plugin's."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
+
+    if POLICY_LOSS_REGISTRY.get(LP_REG_COMPARATOR) is not compute_policy_loss_lp_reg_per_micro_batch:
+        register_policy_loss(LP_REG_COMPARATOR)(compute_policy_loss_lp_reg_per_micro_batch)
+    return LP_REG_COMPARATOR

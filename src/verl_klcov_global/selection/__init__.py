@@ -31,19 +31,23 @@ from .high_entropy import (
     validate_entropy_top_ratio,
 )
 from .kl_cov import KLCovSelection, kl_cov_quota, select_kl_cov_tokens, validate_kl_cov_ratio
+from .lp_reg import LpRegSelection, lp_reg_quota, select_lp_reg_tokens, validate_lp_reg_ratio
 from .stare import StareSelection, select_stare_tokens, stare_quota, validate_stare_top_ratio
 
 __all__ = [
     "ClipCovSelection",
     "HighEntropySelection",
     "KLCovSelection",
+    "LpRegSelection",
     "StareSelection",
     "clip_cov_quota",
     "high_entropy_quota",
     "kl_cov_quota",
+    "lp_reg_quota",
     "select_clip_cov_tokens",
     "select_high_entropy_tokens",
     "select_kl_cov_tokens",
+    "select_lp_reg_tokens",
     "select_stare_tokens",
     "stare_quota",
     "validate_clip_cov_ratio",
@@ -52,5 +56,6 @@ __all__ = [
     "validate_clip_ratio",
     "validate_entropy_top_ratio",
     "validate_kl_cov_ratio",
+    "validate_lp_reg_ratio",
     "validate_stare_top_ratio",
 ]
