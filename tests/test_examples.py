@@ -23,7 +23,7 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.sh"
 VERL_CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
 CONFIGS_DIR = CONFIG_DIR  # the package's configs
 #: examples per mode where it is not 2 (a 7B-style and a 32B one)
-EXAMPLES_PER_MODE = {"stare_global": 1}
+EXAMPLES_PER_MODE = {"stare_global": 1, "lp_reg_global": 1}  # Lp-Reg: Qwen3-14B (32B: one override)
 
 
 def example_overrides(script: Path) -> list[str]:
@@ -99,6 +99,18 @@ def test_example_overrides_compose_and_validate(script):
         assert not config.algorithm.rollout_correction.bypass_mode  # the gate reads verl's log-prob pass
         variant = _example_overrides_with(script, STARE_VARIANT="C2")
         assert "+actor_rollout_ref.actor.policy_loss.stare_variant=C2" in variant
+    elif "lp_reg" in script.name:
+        # the authors' Qwen3_14b_lp_reg_onpolicy_64gpu.sh
+        from verl_klcov_global.config import LpRegGlobalPolicyLossConfig, read_lp_reg_settings
+
+        assert isinstance(actor.policy_loss, LpRegGlobalPolicyLossConfig)
+        settings = read_lp_reg_settings(actor)
+        assert (settings.neg_ratio, settings.pos_ratio, settings.min_p, settings.ppo_kl_coef) == (0.01, 0.0, 0.02, 1.0)
+        assert (settings.clip_ratio_low, settings.clip_ratio_high, settings.clip_ratio_c) == (1.0, 9.0, 10.0)
+        assert settings.prepass_layout == "infer"
+        assert actor.ppo_max_token_len_per_gpu == 30720 and actor.ppo_mini_batch_size == 256
+        assert config.data.train_batch_size == 256 and config.actor_rollout_ref.rollout.n == 8
+        assert not config.algorithm.rollout_correction.bypass_mode  # the proxy needs verl's log-prob pass
     else:
         if "clip_cov" in script.name:
             assert isinstance(actor.policy_loss, ClipCovGlobalPolicyLossConfig)
@@ -114,7 +126,7 @@ def test_example_overrides_compose_and_validate(script):
         expected_tokens = 20480 if "32b" in script.name else 30720
         assert actor.ppo_max_token_len_per_gpu == expected_tokens
         assert config.data.train_batch_size == 256 and config.actor_rollout_ref.rollout.n == 8
-    if "stare" not in script.name:
+    if "stare" not in script.name and "lp_reg" not in script.name:
         assert actor.ppo_mini_batch_size == 32
     assert actor.loss_agg_mode == "token-mean" and actor.entropy_coeff == 0 and not actor.use_kl_loss
     assert actor.use_dynamic_bsz
@@ -221,4 +233,39 @@ def test_stare_global_yaml_refuses_a_summed_loss_agg_mode():
     check (inside verl's validate_config) stops the sum modes, naming the key."""
     config = compose_config_file("stare_global", ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum"])
     with pytest.raises(Exception, match=r"loss_agg_mode='seq-mean-token-sum'.*actor.loss_agg_mode=token-mean"):
+        validated_actor(config)
+
+
+def test_lp_reg_global_yaml_selects_the_plugin_config_and_takes_overrides_without_plus():
+    from dataclasses import fields
+
+    from verl_klcov_global.config import LpRegGlobalPolicyLossConfig, read_lp_reg_settings
+
+    actor = validated_actor(compose_config_file("lp_reg_global", [
+        f"actor_rollout_ref.actor.policy_loss.{override}" for override in (
+            "lp_reg_neg_ratio=0.005", "lp_reg_pos_ratio=0.001", "lp_reg_min_p=0.05", "ppo_kl_coef=0.5",
+            "prepass_layout=old")]))
+    assert type(actor.policy_loss) is LpRegGlobalPolicyLossConfig
+    settings = read_lp_reg_settings(actor)
+    assert (settings.neg_ratio, settings.pos_ratio, settings.min_p, settings.ppo_kl_coef, settings.prepass_layout) == (
+        0.005, 0.001, 0.05, 0.5, "old")
+    default_config = compose_config_file("lp_reg_global")
+    default = read_lp_reg_settings(validated_actor(default_config))
+    assert (default.neg_ratio, default.pos_ratio, default.min_p, default.ppo_kl_coef) == (0.01, 0.0, 0.02, 1.0)
+    declared = set(default_config.actor_rollout_ref.actor.policy_loss)
+    plugin_fields = {f.name for f in fields(LpRegGlobalPolicyLossConfig)} - {
+        f.name for f in fields(LpRegGlobalPolicyLossConfig.__mro__[1])}
+    assert plugin_fields <= declared and not [key for key in declared if key.startswith("entropy_")]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("lp_reg_neg_ratio=2", r"lp_reg_neg_ratio must be finite and in \[0, 1\].*policy_loss.lp_reg_neg_ratio"),
+    ("lp_reg_neg_ratio=0", r"both 0: lp_reg_global would regularise no token"),
+    ("lp_reg_min_p=1", r"lp_reg_min_p must be finite and in \[0, 1\).*policy_loss.lp_reg_min_p"),
+    ("ppo_kl_coef=-1", r"ppo_kl_coef must be finite and >= 0"),
+    ("loss_mode=kl_cov_global", r"loss_mode is 'kl_cov_global'.*policy_loss.loss_mode=lp_reg_global"),
+])
+def test_lp_reg_global_yaml_bad_values_fail_verls_validation(override, message):
+    config = compose_config_file("lp_reg_global", [f"actor_rollout_ref.actor.policy_loss.{override}"])
+    with pytest.raises(Exception, match=message):
         validated_actor(config)

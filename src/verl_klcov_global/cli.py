@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--stare-alpha", type=float, help="the schedule's step (default 0.01)")
     add("--stare-w-max", type=float, help="the schedule's upper bound of W (default 1.5)")
     add("--stare-m-min", type=float, help="the schedule's lower bound of M (default 0.5)")
+    add("--lp-reg-neg-ratio", type=float,
+        help="lp_reg_global's rho-, the fraction of the A < 0 tokens regularised, by lowest probability (default 0.01, "
+             "the authors'); also its per-micro-batch comparator's (lp_reg_per_micro_batch), as are the next two")
+    add("--lp-reg-pos-ratio", type=float, help="Lp-Reg's rho+, the same for the A > 0 tokens (default 0: off)")
+    add("--lp-reg-min-p", type=float, help="Lp-Reg's kappa, the proxy's min-p threshold (default 0.02)")
     add("--strategy", choices=["fsdp", "fsdp2"], help="default fsdp")
     add("--json", dest="json_path", help="also write the full report as JSON to this file")
     config = diagnose.add_argument_group(
@@ -156,7 +161,7 @@ CONFIG_KEYS = {
     "entropy_top_ratio": "actor_rollout_ref.actor.policy_loss.entropy_top_ratio",
     **{knob: f"actor_rollout_ref.actor.policy_loss.{knob}" for knob in (
         "stare_top_ratio", "stare_reweight_w", "stare_reweight_m", "stare_variant", "stare_adaptive", "stare_alpha",
-        "stare_w_max", "stare_m_min")},
+        "stare_w_max", "stare_m_min", "lp_reg_neg_ratio", "lp_reg_pos_ratio", "lp_reg_min_p")},
     "strategy": "actor_rollout_ref.actor.strategy",
 }
 _CONFIG_ONLY = ("config_path", "overrides", "max_tokens", "tiny_model")

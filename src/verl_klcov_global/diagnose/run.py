@@ -71,6 +71,11 @@ class DiagnoseOptions:
     stare_alpha: float = 0.01
     stare_w_max: float = 1.5
     stare_m_min: float = 0.5
+    #: lp_reg_global's knobs, also its per-micro-batch comparator's (``lp_reg_per_micro_batch``): the authors' rho-,
+    #: rho+ and kappa (beta is ppo_kl_coef)
+    lp_reg_neg_ratio: float = 0.01
+    lp_reg_pos_ratio: float = 0.0
+    lp_reg_min_p: float = 0.02
     # Set by ``--config-name`` (diagnose/user_config.py); the defaults are diagnose's own behaviour.
     #: the N-micro-batch layout given directly (static: sequences per micro-batch; dynamic: token
     #: budget) instead of derived from ``micro_batches``, which then only names it
@@ -662,6 +667,9 @@ def format_report(report: dict) -> str:
     knobs = (f"kl_cov_ratio {options['kl_cov_ratio']} | ppo_kl_coef {options['ppo_kl_coef']} | "
              f"clip_cov ratio {options['clip_cov_ratio']}, window ({options['clip_cov_lb']}, {options['clip_cov_ub']}), "
              f"seed {options['clip_cov_seed']} | entropy_top_ratio {options.get('entropy_top_ratio', 0.2)}")
+    if any(name.startswith("lp_reg_") for name in report["modes"]):
+        knobs += (f" | lp_reg rho- {options['lp_reg_neg_ratio']}, rho+ {options['lp_reg_pos_ratio']}, "
+                  f"min_p {options['lp_reg_min_p']}")
     if any(name.startswith("stare_") for name in report["modes"]):
         knobs += (f" | stare top_ratio {options['stare_top_ratio']}, W {options['stare_reweight_w']}"
                   + (f", M {options['stare_reweight_m']}" if options["stare_variant"] == "C2" else "")

@@ -496,7 +496,8 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
     knobs = {}
     plugin_defaults = {"kl_cov_ratio": 0.0002, "ppo_kl_coef": 1.0, "clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0,
                        "clip_cov_ub": 5.0, "clip_cov_seed": 0, "entropy_top_ratio": 0.2,
-                       "prepass_layout": "infer"}
+                       "prepass_layout": "infer", "lp_reg_neg_ratio": 0.01, "lp_reg_pos_ratio": 0.0,
+                       "lp_reg_min_p": 0.02}
     for knob, default in plugin_defaults.items():
         key = f"{POLICY_LOSS}.{knob}"
         if policy_loss is not None:  # the plugin's knobs do not concern a loss outside its table: no rows
