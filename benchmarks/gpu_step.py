@@ -278,7 +278,8 @@ def _actor_config(mode_name: str, sizes):
     from verl_klcov_global.modes import MODES
 
     spec = MODES.get(mode_name)
-    if spec is not None and spec.config_class is not None and spec.ratio_knob == "entropy_top_ratio":
+    # KL-Cov's and Clip-Cov's knobs are verl's own (PolicyLossConfig); every other mode's are its config class's
+    if spec is not None and spec.config_class is not None and spec.name not in ("kl_cov_global", "clip_cov_global"):
         return _tiny.make_actor_config(policy_loss=spec.config_class(), ppo_mini_batch_size=sizes.step_batch)
     return _tiny.make_actor_config(loss_mode=mode_name, kl_cov_ratio=sizes.kl_cov_ratio, ppo_kl_coef=1.0,
                                    ppo_mini_batch_size=sizes.step_batch)
@@ -303,6 +304,13 @@ def _operations(engine, batch, sizes, modes: list[str], figures: Figures) -> dic
                 return engine_prepass.run_prepass_and_select(engine, batch.copy(), settings, spec)
         return run
 
+    def old_policy_pass(mode: str):
+        """verl's log-prob pass of the trainer step, where the mode reads it (STARE's batch entropy, Lp-Reg's
+        proxy): run before the timed step, as the trainer runs it before the update (untimed)."""
+        from verl_klcov_global.lab.experiment import hold_old_policy_pass
+
+        hold_old_policy_pass(engine, batch.copy(), configs[mode])
+
     def train_step(mode: str):
         counter: list = []
         loss = functools.partial(_counted_ppo_loss, counter, config=configs[mode])
@@ -321,7 +329,10 @@ def _operations(engine, batch, sizes, modes: list[str], figures: Figures) -> dic
 
     operations = {"compute_log_prob": lambda: compute_log_prob(engine, batch)}
     operations.update({prepass_operation(spec): prepass(spec) for spec in prepass_modes.values()})
-    operations.update({f"step {mode}": functools.partial(train_step, mode) for mode in modes})
+    for mode in modes:
+        step = functools.partial(train_step, mode)
+        step.before = functools.partial(old_policy_pass, mode)  # run by _run_rounds before the timer starts
+        operations[f"step {mode}"] = step
     return operations
 
 
@@ -349,6 +360,10 @@ def _run_rounds(phase: Phase, meter: Meter, operations: dict, modes: list[str], 
         for name in order:
             if name == "compute_log_prob" and not timed:
                 continue  # warmed up already (it made the minibatch's old_log_probs)
+            before = getattr(operations[name], "before", None)
+            if before is not None:
+                with quiet_verl():
+                    before()
             with quiet_verl(), count_logprob_calls() as calls:
                 _, seconds, peak, _ = meter.measure(operations[name])
             figures.record(name, seconds, peak, timed)

@@ -40,6 +40,10 @@ REUSE_FIRST_STEP_ONLY="tests/engine/test_reuse.py::test_only_the_first_optimizer
 STATIC_INVARIANCE="tests/engine/test_engine_kl_cov.py::test_static_micro_batches_64_vs_8[padded-fsdp]"
 # stare_global's gate reads verl's log-prob pass through TrainingWorker and is checked against verl's own agg_loss
 STARE_GATE="tests/engine/test_engine_stare.py::test_the_gate_reads_the_drivers_actor_entropy_and_opens_where_the_forks_does[infer-token-mean]"
+# lp_reg_global's proxy: PATCH proxy_log_prob_in_pass on verl's prepare_model_outputs (padded and packed forwards),
+# checked against a plain Hugging Face forward, and the TrainingWorker route that keeps it
+LP_REG_PROXY="tests/engine/test_engine_lp_reg.py::test_the_held_proxy_is_an_independent_full_vocabulary_computation"
+LP_REG_WORKER="tests/engine/test_engine_lp_reg.py::test_the_worker_holds_the_proxy_for_every_optimizer_step_of_the_update[infer]"
 
 SECONDS=0
 if [ "${VERL_JOB_SETUP:-1}" != 0 ]; then
@@ -56,7 +60,7 @@ if [ "$VERSION" = main ]; then
     "tests/engine/test_engine_clip_cov.py::test_sampled_mask_on_two_dp_ranks_is_the_single_rank_mask" \
     "tests/engine/test_engine_high_entropy.py::test_prepass_entropy_is_verls_compute_log_prob_entropy_bit_for_bit" \
     "tests/engine/test_entropy_control.py::test_the_first_step_is_bit_identical_for_3_vs_5_micro_batches_and_dp_1_vs_2" \
-    "$REUSE_ON_POLICY" "$REUSE_FIRST_STEP_ONLY" "$STARE_GATE" "$@"
+    "$REUSE_ON_POLICY" "$REUSE_FIRST_STEP_ONLY" "$STARE_GATE" "$LP_REG_PROXY" "$LP_REG_WORKER" "$@"
   echo "verl $VERSION job: engine invariance ${SECONDS} s"; SECONDS=0
 else
   SUBSET=(
@@ -74,6 +78,8 @@ else
     "$STATIC_INVARIANCE"
     "$REUSE_ON_POLICY"
     "$STARE_GATE"
+    "$LP_REG_PROXY"
+    "$LP_REG_WORKER"
   )
   "$VENV/bin/python" -m pytest -q -m "not needs_entry_point_group and not needs_driver_validate_config" \
     "${SUBSET[@]}" "$@"
