@@ -277,3 +277,63 @@ def test_stare_updates_read_the_log_prob_pass_and_do_not_depend_on_the_micro_bat
               f"{open_8['selected_positive']:.0f} of {open_8['candidates_positive']:.0f} A > 0 tokens "
               f"(surprisal share {open_8['selected_surprisal_share']:.3f}); grad norm open {grad_open_8:.6g} (8) / "
               f"{grad_open_2:.6g} (2), shut {grad_shut_2:.6g} (2)")
+
+
+#: lp_reg_global on SmolLM2: rho- 0.1 of the ~90 A < 0 tokens (the authors' 0.01 gives a quota of 1; at 0.05 all
+#: 4 selected tokens lie outside the min-p support, where nothing is regularised); kappa and beta the authors'
+LP_REG_KNOBS = {"lp_reg_neg_ratio": 0.1, "lp_reg_min_p": 0.02}
+
+
+def lp_reg_update(engine, sampled, initial, *, size: int):
+    """One update of ``lp_reg_global`` at training micro-batch ``size`` after verl's log-prob pass (the proxy's
+    source): (its ``actor/lp_reg/`` figures, its mask, the grad norm, the held proxy and the pass's log-probs)."""
+    from verl.workers.utils.losses import ppo_loss
+
+    from verl_klcov_global.config import LpRegGlobalPolicyLossConfig
+    from verl_klcov_global.engine import reuse
+    from verl_klcov_global.modes import LP_REG
+
+    actor = _tiny.make_actor_config(policy_loss=LpRegGlobalPolicyLossConfig(**LP_REG_KNOBS))
+    batch = _tiny.make_minibatch(tokens=sampled.tokens(), group_size=SAMPLES, seed=0, log_probs=initial,
+                                 micro_batch_size_per_gpu=size)
+    hold_old_policy_pass(engine, batch, actor)  # without it the update raises ProxyUnavailableError
+    proxy, _ = reuse.held_proxy(engine, batch)
+    masks = []
+    with observe_selections(lambda _engine, result: masks.append(result.selection.mask.clone())), engine.train_mode():
+        output = engine.train_batch(batch, loss_function=functools.partial(ppo_loss, config=actor))
+    metrics = output["metrics"]
+    figures = {key.removeprefix(LP_REG.metric_prefix): _scalar(value) for key, value in metrics.items()
+               if key.startswith(LP_REG.metric_prefix)
+               and not key.endswith(("_seconds", "prepass_share", "prepass_reused", "selected_in_micro_batch"))}
+    (mask,) = masks
+    return figures, mask, _scalar(metrics["grad_norm"]), proxy
+
+
+def test_lp_reg_updates_take_their_quota_whatever_the_micro_batch_size(engine, sampled, initial, capsys):
+    """Updates at micro-batch sizes 8 and 2 after the log-prob pass: the same mask and selection figures bit for bit;
+    selected tokens inside the min-p support are regularised (SmolLM2's distributions are peaked: the filter removes
+    real mass). At size 8 the authors' per-call rule switches nothing off; at 2 it may (printed).
+    Which selected tokens are regularised is compared between the sizes only where the support test's margin
+    (-log of the support's mass: log pi_proxy - log pi_old at lr 0) is far above float noise (the premise, asserted)."""
+    (at_8, mask_8, grad_8, proxy), (at_2, mask_2, grad_2, _) = (
+        lp_reg_update(engine, sampled, initial, size=size) for size in SIZES)
+    selection = ("quota", "selected", "selected_negative", "candidates_negative", "valid_tokens", "log_prob_mean",
+                 "selected_log_prob_mean")
+    assert torch.equal(mask_8, mask_2) and all(at_8[key] == at_2[key] for key in selection)
+    assert at_8["selected_negative"] == max(1, int(at_8["candidates_negative"] * 0.1)) > 1
+    assert at_8["per_call_switched_off"] == 0 <= at_2["per_call_switched_off"]
+    assert 0 < at_8["selected_in_support_share"] <= 1 and at_8["regularised"] > 0 and at_8["kl_mean"] > 0
+    from verl_klcov_global.layout import fit_width
+
+    inside = mask_8.to(proxy.device) & torch.isfinite(proxy)
+    old = fit_width(initial.to(proxy.device).double(), proxy.shape[1])
+    margin = float((proxy.double() - old)[inside].min())  # -log(support mass) of the selected tokens in it
+    with capsys.disabled():
+        print(f"\n[SmolLM2-135M, lp_reg_global updates after the log-prob pass, micro-batch {SIZES[0]} vs {SIZES[1]}] "
+              f"selected {at_8['selected_negative']:.0f} of {at_8['candidates_negative']:.0f} A < 0 tokens, "
+              f"{at_8['selected_in_support_share']:.3f} inside the proxy's support, regularised {at_8['regularised']:.0f} "
+              f"| {at_2['regularised']:.0f} (KL mean {at_8['kl_mean']:.4g}); per-call switch-off "
+              f"{at_8['per_call_switched_off']:.0f} | {at_2['per_call_switched_off']:.0f}; grad norm {grad_8:.6g} | "
+              f"{grad_2:.6g}; support-test margin {margin:.3g}")
+    assert margin > 1e-4  # the premise: far above fp32 noise, no selected token can change sides
+    assert at_8["regularised"] == at_2["regularised"]
