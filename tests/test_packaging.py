@@ -74,15 +74,16 @@ def test_readme_knob_defaults_are_the_packaged_configs_and_verls():
     from verl_klcov_global.configs import CONFIG_DIR
 
     composed = {}
-    for name in ("kl_cov_global", "clip_cov_global", "high_entropy_global", "stare_global"):
+    for name in ("kl_cov_global", "clip_cov_global", "high_entropy_global", "stare_global", "lp_reg_global"):
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
             composed[name] = compose(config_name=name).actor_rollout_ref.actor.policy_loss
     GlobalHydra.instance().clear()
     kl, clip, high = composed["kl_cov_global"], composed["clip_cov_global"], composed["high_entropy_global"]
-    stare = composed["stare_global"]
-    assert kl.prepass_layout == clip.prepass_layout == high.prepass_layout == stare.prepass_layout
-    assert not [key for key in stare if key.startswith("entropy_")]  # the controller does not apply to STARE
+    stare, lp_reg = composed["stare_global"], composed["lp_reg_global"]
+    assert kl.prepass_layout == clip.prepass_layout == high.prepass_layout == stare.prepass_layout == lp_reg.prepass_layout
+    for config in (stare, lp_reg):  # the controller does not apply to STARE and Lp-Reg
+        assert not [key for key in config if key.startswith("entropy_")]
     expected = {"kl_cov_ratio": [kl.kl_cov_ratio], "ppo_kl_coef": [kl.ppo_kl_coef, PolicyLossConfig().ppo_kl_coef],
                 "clip_cov_ratio": [clip.clip_cov_ratio], "clip_cov_lb": [clip.clip_cov_lb, clip.clip_cov_ub],
                 "clip_cov_seed": [clip.clip_cov_seed], "entropy_top_ratio": [high.entropy_top_ratio],
@@ -91,6 +92,8 @@ def test_readme_knob_defaults_are_the_packaged_configs_and_verls():
                 "stare_target_entropy": [stare.stare_target_entropy],
                 "stare_adaptive": [str(stare.stare_adaptive).lower(), stare.stare_alpha, stare.stare_w_max,
                                    stare.stare_m_min],
+                "lp_reg_neg_ratio": [lp_reg.lp_reg_neg_ratio, int(lp_reg.lp_reg_pos_ratio)],
+                "lp_reg_min_p": [lp_reg.lp_reg_min_p, lp_reg.ppo_kl_coef],
                 "prepass_layout": [kl.prepass_layout],
                 "entropy_target": ["null" if kl.entropy_target is None else kl.entropy_target],
                 "entropy_control_ki": [kl.entropy_control_ki, kl.entropy_control_kp],
@@ -105,7 +108,7 @@ def test_readme_knob_defaults_are_the_packaged_configs_and_verls():
                                            high.entropy_control_horizon, high.entropy_control_window)
     rows = _readme_knob_rows()
     for key, values in expected.items():
-        (cells,) = [cells for cells in rows.values() if f"`{key}`" in cells[1]]
+        (cells,) = [cells for cells in rows.values() if cells[1].startswith(f"`{key}`")]
         default = cells[3]  # | mode | key | meaning | default | valid |
         assert all(str(v) in default for v in values), (key, values, default)
 
