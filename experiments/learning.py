@@ -51,7 +51,8 @@ MICRO_BATCH_SIZES = (1, 4)
 NOISE_FACTOR = 10.0
 ENTROPY, REWARD = "actor/entropy", "critic/score/mean"
 PREFIXES = {"kl_cov_global": "actor/kl_cov/", "clip_cov_global": "actor/clip_cov/",
-            "high_entropy_global": "actor/high_entropy/", "stare_global": "actor/stare/"}
+            "high_entropy_global": "actor/high_entropy/", "stare_global": "actor/stare/",
+            "lp_reg_global": "actor/lp_reg/"}
 COUNTS = ("quota", "selected", "clipped", "candidates", "valid_tokens", "nonfinite_tokens",
           "selected_positive", "selected_negative", "candidates_positive", "candidates_negative")
 COVARIANCE = ("cov_mean", "selected_cov_mean", "selected_cov_share")
@@ -73,6 +74,12 @@ STARE_TARGETS = (STARE_DEFAULT_TARGET, STARE_OPEN_TARGET)
 #: stare_global's figures beside its counts: the rule's (per trainer step) and the selection's (per optimizer step)
 STARE_FIGURES = ("gate_on", "batch_entropy", "reweight_w_in_use", "reweight_m_in_use", "target_entropy",
                  "surprisal_mean", "selected_surprisal_share")
+LP_REG = "lp_reg_global"
+#: lp_reg_global's knobs, fixed before its runs: the authors' kappa 0.02 and beta 1 (BASE's ppo_kl_coef), rho- 0.05:
+#: a minibatch of the miniature holds about 128 negative-advantage tokens, where the authors' 0.01 gives a quota of 1
+LP_REG_KNOBS = {"lp_reg_neg_ratio": 0.05, "lp_reg_pos_ratio": 0.0, "lp_reg_min_p": 0.02}
+#: lp_reg_global's figures beside its counts (per optimizer step)
+LP_REG_FIGURES = ("regularised", "selected_in_support_share", "kl_mean", "per_call_switched_off")
 
 
 def config_fields(run: RunConfig) -> dict:
@@ -80,6 +87,7 @@ def config_fields(run: RunConfig) -> dict:
     settings, as before STARE's rows (their knobs go under the report's ``stare``)."""
     fields = trainer_config_fields(run)
     fields.pop("stare_knobs", None)
+    fields.pop("lp_reg_knobs", None)
     return fields
 
 
@@ -90,6 +98,8 @@ def learning_run(base: RunConfig, mode: str, micro_batch_size: int, *, stare_tar
     if mode != STARE:
         if stare_target is not None:
             raise ValueError(f"stare_target is stare_global's knob, not {mode}'s")
+        if mode == LP_REG:
+            changes.setdefault("lp_reg_knobs", tuple(LP_REG_KNOBS.items()))
         return replace(base, loss_mode=mode, micro_batch_size=micro_batch_size, **changes)
     target = STARE_DEFAULT_TARGET if stare_target is None else stare_target
     knobs = tuple(STARE_KNOBS.items()) + (("stare_target_entropy", target),)
@@ -189,7 +199,7 @@ def curves(result: RunResult) -> dict[str, list[float]]:
            "sample_entropy": [f["sample_entropy"] for f in result.rollout_figures]}
     prefix = PREFIXES.get(result.config.loss_mode)
     if prefix:
-        for name in COUNTS + COVARIANCE + ENTROPY_FIGURES + STARE_FIGURES:
+        for name in COUNTS + COVARIANCE + ENTROPY_FIGURES + STARE_FIGURES + LP_REG_FIGURES:
             if all(prefix + name in m for m in result.metrics):
                 out[name] = [m[prefix + name] for m in result.metrics]
     if result.config.loss_mode == "clip_cov":
@@ -263,7 +273,7 @@ def summarize(results: Sequence[RunResult]) -> dict:
         per_run[key] = {"entropy_start": c["entropy"][0], "entropy_end": c["entropy"][-1],
                         "reward_start": c["reward"][0], "reward_end": c["reward"][-1],
                         "seconds": getattr(r, "seconds", None)}
-        for name in COVARIANCE + ENTROPY_FIGURES + STARE_FIGURES:
+        for name in COVARIANCE + ENTROPY_FIGURES + STARE_FIGURES + LP_REG_FIGURES:
             if name in c:
                 per_run[key][f"{name}_mean_over_steps"] = sum(c[name]) / len(c[name])
         if "gate_on" in c:
@@ -281,6 +291,8 @@ def summarize(results: Sequence[RunResult]) -> dict:
         "config": config_fields(results[0].config) | {"loss_mode": None, "micro_batch_size": None},
         "modes": modes, "micro_batch_sizes": sizes, "noise_factor": NOISE_FACTOR, "curves": curve,
         "runs": per_run, "pairs": pairs}
+    if any(mode_of_row(m) == LP_REG for m in modes):
+        report["lp_reg"] = {"knobs": dict(LP_REG_KNOBS)}
     if any(mode_of_row(m) == STARE for m in modes):
         report["stare"] = {"knobs": dict(STARE_KNOBS), "targets": sorted(
             {stare_target_of(r.config) for r in results if r.config.loss_mode == STARE})}
@@ -355,6 +367,8 @@ def merge_reports(earlier: dict, new: dict) -> dict:
     merged["pairs"] = {mode: merged["pairs"][mode] for mode in merged["modes"]}
     if "stare" in new:
         merged["stare"] = new["stare"]
+    if "lp_reg" in new:
+        merged["lp_reg"] = new["lp_reg"]
     added = [row for row in new["modes"] if row != "vanilla"]
     merged.setdefault("added", []).append({"rows": added, "seconds": new.get("seconds"), "jobs": new.get("jobs")})
     return add_comparable_reward(add_verdict(merged))
@@ -404,6 +418,8 @@ def format_report(report: dict) -> str:
                          f"{len(report['curves'][key]['entropy'])} steps {_step_ranges(r['gate_open_steps'])}")
     if "stare" in report:
         lines.append(f"stare_global's knobs: {report['stare']['knobs']}, targets {report['stare']['targets']}")
+    if "lp_reg" in report:
+        lines.append(f"lp_reg_global's knobs: {report['lp_reg']['knobs']}")
     lines.append("verdict: " + json.dumps({k: v for k, v in report["verdict"].items()
                                            if k != "end_entropy_over_vanilla"}))
     return "\n".join(lines)
@@ -504,7 +520,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = new_parser("python -m experiments.learning", __doc__)
     add_output_arguments(parser)
     add_run_arguments(parser, steps_default=BASE.steps, jobs_default=2, seed_default=BASE.seed)
-    parser.add_argument("--modes", default=",".join(LOSS_MODES), help="comma-separated (default: all eight)")
+    parser.add_argument("--modes", default=",".join(LOSS_MODES), help="comma-separated (default: all nine)")
     parser.add_argument("--stare-targets", default=",".join(f"{t:g}" for t in STARE_TARGETS),
                         help="stare_global's gate targets, one row each (default %(default)s: the default and a "
                              "target above ln 64, where the gate is open at every step)")

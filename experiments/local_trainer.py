@@ -46,7 +46,7 @@ from . import random_responses
 
 #: Loss modes a run may use: verl's own and the plugin's.
 LOSS_MODES = ("vanilla", "kl_cov", "kl_cov_global", "clip_cov", "clip_cov_global", "high_entropy_per_micro_batch",
-              "high_entropy_global", "stare_global")
+              "high_entropy_global", "stare_global", "lp_reg_global")
 #: ``stare_global``'s config class (its knobs are not keys of verl's ``PolicyLossConfig``).
 STARE_CONFIG = "verl_klcov_global.config.StareGlobalPolicyLossConfig"
 #: The high-entropy modes and the ``policy_loss`` config class each needs (``entropy_top_ratio`` is not a key of
@@ -108,6 +108,8 @@ class RunConfig:
     # stare_global's knobs other than its config class's defaults, as (key, value) pairs, e.g.
     # (("stare_target_entropy", 2.0),); left out of config_fields while empty, as the studies before STARE wrote it.
     stare_knobs: tuple = ()
+    # lp_reg_global's knobs, as (key, value) pairs; left out of config_fields while empty.
+    lp_reg_knobs: tuple = ()
 
     def label(self) -> str:
         target = "" if self.entropy_target is None else f" target={self.entropy_target:g}"
@@ -132,6 +134,8 @@ def config_fields(run: RunConfig) -> dict:
         del fields["log_prob_micro_batch_size"]
     if not fields["stare_knobs"]:
         del fields["stare_knobs"]
+    if not fields["lp_reg_knobs"]:
+        del fields["lp_reg_knobs"]
     return fields
 
 
@@ -205,6 +209,7 @@ def trainer_overrides(run: RunConfig, *, model_path: str, train_file: str, out_d
         f"{policy}.clip_cov_ub={run.clip_cov_ub}",
         *high_entropy_overrides(run),
         *stare_overrides(run),
+        *lp_reg_overrides(run),
         *controller_overrides(run),
         *layout_overrides(run),
         f"actor_rollout_ref.rollout.n={run.responses_per_prompt}",
@@ -232,6 +237,7 @@ GLOBAL_CONFIGS = {
     "clip_cov_global": "verl_klcov_global.config.ClipCovGlobalPolicyLossConfig",
     "high_entropy_global": HIGH_ENTROPY_CONFIGS["high_entropy_global"],
     "stare_global": STARE_CONFIG,
+    "lp_reg_global": "verl_klcov_global.config.LpRegGlobalPolicyLossConfig",
 }
 
 
@@ -240,9 +246,10 @@ def controller_overrides(run: RunConfig) -> list[str]:
     mode's config class (``high_entropy_overrides`` sets it already for ``high_entropy_global``)."""
     if run.entropy_target is None:
         return []
-    if run.loss_mode not in GLOBAL_CONFIGS or run.loss_mode == "stare_global":
+    if run.loss_mode not in GLOBAL_CONFIGS or run.loss_mode in ("stare_global", "lp_reg_global"):
         raise ValueError(f"{run.label()}: entropy_target needs a global loss mode with the entropy controller "
-                         f"({sorted(set(GLOBAL_CONFIGS) - {'stare_global'})}; stare_global has its own gate)")
+                         f"({sorted(set(GLOBAL_CONFIGS) - {'stare_global', 'lp_reg_global'})}; stare_global has its "
+                         "own gate, lp_reg_global none)")
     policy = "actor_rollout_ref.actor.policy_loss"
     out = [] if run.loss_mode in HIGH_ENTROPY_CONFIGS else [f"{policy}._target_={GLOBAL_CONFIGS[run.loss_mode]}"]
     knobs = {"entropy_target": run.entropy_target, "entropy_control_ki": run.entropy_control_ki,
@@ -262,7 +269,8 @@ def layout_overrides(run: RunConfig) -> list[str]:
     if run.loss_mode not in GLOBAL_CONFIGS:
         raise ValueError(f"{run.label()}: prepass_layout needs a global loss mode ({sorted(GLOBAL_CONFIGS)})")
     policy = "actor_rollout_ref.actor.policy_loss"
-    has_class = run.loss_mode in HIGH_ENTROPY_CONFIGS or run.loss_mode == "stare_global" or run.entropy_target is not None
+    has_class = run.loss_mode in HIGH_ENTROPY_CONFIGS or run.loss_mode in ("stare_global", "lp_reg_global") or \
+        run.entropy_target is not None
     out = [] if has_class else [f"{policy}._target_={GLOBAL_CONFIGS[run.loss_mode]}"]
     return out + [f"+{policy}.prepass_layout={run.prepass_layout}"]
 
@@ -275,6 +283,17 @@ def stare_overrides(run: RunConfig) -> list[str]:
         return []
     policy = "actor_rollout_ref.actor.policy_loss"
     return [f"{policy}._target_={STARE_CONFIG}"] + [f"+{policy}.{key}={value!r}" for key, value in run.stare_knobs]
+
+
+def lp_reg_overrides(run: RunConfig) -> list[str]:
+    """``lp_reg_global``'s config class and the knobs of ``run.lp_reg_knobs`` (none for the other modes)."""
+    if run.loss_mode != "lp_reg_global":
+        if run.lp_reg_knobs:
+            raise ValueError(f"{run.label()}: lp_reg_knobs need loss_mode=lp_reg_global")
+        return []
+    policy = "actor_rollout_ref.actor.policy_loss"
+    return [f"{policy}._target_={GLOBAL_CONFIGS['lp_reg_global']}"] + [
+        f"+{policy}.{key}={value!r}" for key, value in run.lp_reg_knobs]
 
 
 def high_entropy_overrides(run: RunConfig) -> list[str]:

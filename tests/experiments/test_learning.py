@@ -225,3 +225,22 @@ def test_the_high_entropy_rows_are_configured(tmp_path, mode, config_class, entr
     assert type(actor.policy_loss).__name__ == config_class and actor.policy_loss.loss_mode == mode
     assert actor.policy_loss.entropy_top_ratio == 0.2 and actor.ppo_micro_batch_size_per_gpu == 1
     assert bool(actor.calculate_entropy) is entropy_in_training
+
+
+def test_the_lp_reg_rows_are_configured(tmp_path):
+    """lp_reg_global's runs: its config class with the knobs fixed before the runs (LP_REG_KNOBS), on the legacy
+    trainer whose log-prob pass computes the proxy (no bypass mode)."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from experiments.learning import BASE, LP_REG, LP_REG_KNOBS, compose_run_config
+
+    run = learning_run(BASE, LP_REG, 4)
+    config = compose_run_config(run, model_path="/m", train_file="/t.parquet", out_dir=str(tmp_path))
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    loss = actor.policy_loss
+    assert type(loss).__name__ == "LpRegGlobalPolicyLossConfig" and loss.loss_mode == LP_REG
+    assert {key: getattr(loss, key) for key in LP_REG_KNOBS} == LP_REG_KNOBS and loss.ppo_kl_coef == BASE.ppo_kl_coef
+    assert actor.ppo_micro_batch_size_per_gpu == 4 and config.algorithm.rollout_correction.bypass_mode is False
+    from experiments.learning import config_fields
+
+    assert "lp_reg_knobs" not in config_fields(learning_run(BASE, "vanilla", 4))
