@@ -427,7 +427,8 @@ def format_report(report: dict) -> str:
 
 COLORS = {"vanilla": "0.45", "kl_cov": "tab:red", "kl_cov_global": "tab:blue", "clip_cov": "tab:orange",
           "clip_cov_global": "tab:green", "high_entropy_per_micro_batch": "tab:purple",
-          "high_entropy_global": "tab:cyan", STARE: "tab:brown", f"{STARE} target={STARE_OPEN_TARGET:g}": "tab:pink"}
+          "high_entropy_global": "tab:cyan", STARE: "tab:brown", f"{STARE} target={STARE_OPEN_TARGET:g}": "tab:pink",
+          LP_REG: "tab:olive"}
 
 
 def plot(report: dict, path: str) -> None:
@@ -462,6 +463,9 @@ def plot(report: dict, path: str) -> None:
         if "selected_surprisal_share" in c:  # stare_global: the selected tokens' share of the surprisal
             ax_s.plot(steps, c["selected_surprisal_share"], color=color, ls=ls, lw=2.2,
                       label=f"{label}: selected surprisal share")
+        if "selected_in_support_share" in c:  # lp_reg_global: the selected tokens' share inside the proxy's support
+            ax_s.plot(steps, c["selected_in_support_share"], color=color, ls=ls, lw=2.2,
+                      label=f"{label}: selected share in the min-p support")
     if "stare" in report:
         for target in report["stare"]["targets"]:
             if target < 4.16:  # a target above ln 64 opens the gate everywhere: nothing to draw
@@ -474,8 +478,8 @@ def plot(report: dict, path: str) -> None:
     ax_c.axvline(0, color="0.7", lw=0.8)
     ax_c.set_xlabel("token covariance of the step's batch")
     ax_c.set_ylabel("entropy change")
-    ax_s.set_title("global modes' figures (means of the step's optimizer steps): thick: the\n"
-                   "selected tokens' share of covariance / entropy / surprisal; thin: cov_mean")
+    ax_s.set_title("global modes' figures (step means): thick: the selected tokens' share of\n"
+                   "covariance / entropy / surprisal / in Lp-Reg's support; thin: cov_mean")
     for ax in (ax_h, ax_r, ax_s):
         ax.set_xlabel("trainer step")
         ax.grid(True, alpha=0.3)
