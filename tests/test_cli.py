@@ -27,8 +27,9 @@ def test_short_real_run_reports_invariance_and_writes_json(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK: kl_cov_global is INVARIANT" in proc.stdout and "OK: clip_cov_global is INVARIANT" in proc.stdout
     assert "OK: high_entropy_global is INVARIANT" in proc.stdout and "OK: stare_global is INVARIANT" in proc.stdout
-    # 10 modes x 2 layouts + the two Clip-Cov modes run once more; stare_global's rows come last
-    assert "[block 1/1] update 22/22: stare_global / 4 micro-batches" in proc.stderr  # progress
+    assert "OK: lp_reg_global is INVARIANT" in proc.stdout
+    # 12 modes x 2 layouts + the two Clip-Cov modes run once more; stare_global's rows come last
+    assert "[block 1/1] update 26/26: stare_global / 4 micro-batches" in proc.stderr  # progress
     report = json.loads(out.read_text())
     assert report["modes"]["kl_cov_global[prepass=train]"]["selected_per_layout"] == [[1, 1]]
     assert report["invariant"] is True
@@ -36,7 +37,8 @@ def test_short_real_run_reports_invariance_and_writes_json(tmp_path):
     assert report["modes"]["kl_cov_global"]["selected_per_layout"] == [[1, 1]]
     assert report["modes"]["kl_cov"]["selected_per_layout"] == [[1, 4]]
     assert report["modes"]["kl_cov"]["ratio_to_control"][0] > 10
-    assert set(report["verdicts"]) == {"kl_cov_global", "clip_cov_global", "high_entropy_global", "stare_global"}
+    assert set(report["verdicts"]) == {"kl_cov_global", "clip_cov_global", "high_entropy_global", "stare_global",
+                                       "lp_reg_global"}
     assert report["modes"]["stare_per_micro_batch"]["ratio_to_control"][0] > 10  # the authors' per-call STARE
     # 16 x 32 = 512 valid tokens: ours keeps exactly int(512 * 0.2) = 102 whatever the layout; the authors'
     # per-micro-batch rule (the lab's comparator) takes its threshold in each of the 4 micro-batches
