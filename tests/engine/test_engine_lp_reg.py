@@ -98,7 +98,12 @@ def test_masks_and_figures_do_not_depend_on_the_micro_batches(peaked_model_path,
     assert ours.max_param_diff <= NOISE_FACTOR * control.max_param_diff, (ours.max_param_diff, control.max_param_diff)
     (_, one), (_, eight) = (_step_figures(spec, batch, layout) for layout in layouts)
     prefix = LP_REG.metric_prefix
-    assert one == eight  # the support test's margins here are far above float noise: the same tokens regularised
+    # every figure bit for bit (the selection's, and the regularised count: the support test's margins here are far
+    # above float noise), except kl_mean, a float sum of the training forward's values, whose last bits follow the
+    # micro-batch company on some CPUs (docs/DEVELOPING.md): within float32 rounding of its terms
+    kl = prefix + "kl_mean"
+    assert {k: v for k, v in one.items() if k != kl} == {k: v for k, v in eight.items() if k != kl}
+    assert abs(one[kl] - eight[kl]) <= 1e-5 * abs(one[kl])
     assert one[f"{prefix}selected_negative"] > 1 and one[f"{prefix}selected_positive"] > 0
     assert one[f"{prefix}regularised"] > 0 and one[f"{prefix}kl_mean"] > 0
     with capsys.disabled():
