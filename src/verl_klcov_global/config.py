@@ -500,7 +500,10 @@ def read_stare_settings(actor_config: Any) -> StareGlobalSettings:
     )
 
 
-def _require_loss_mode(config: PolicyLossConfig, expected: str) -> None:
+def _require_loss_mode(config: PolicyLossConfig) -> None:
+    """``config.loss_mode`` must be its class's own default: a class is judged by its own ``loss_mode``, so a user's
+    subclass of a plugin class (its ``loss_mode`` defaulting to the user's mode) is not refused for the parent's."""
+    expected = type(config).loss_mode
     if config.loss_mode != expected:
         # verl's ppo_trainer.yaml sets loss_mode "vanilla": selecting a class through
         # `policy_loss._target_` alone would silently train without the plugin's loss.
@@ -557,7 +560,7 @@ class KLCovGlobalPolicyLossConfig(GlobalModePolicyLossConfig):
 
     def __post_init__(self):
         _parent_post_init(self, KLCovGlobalPolicyLossConfig)
-        _require_loss_mode(self, KLCovGlobalPolicyLossConfig.loss_mode)
+        _require_loss_mode(self)
         validate_kl_cov_ratio(self.kl_cov_ratio)
         validate_ppo_kl_coef(self.ppo_kl_coef)
         self.validate_common_knobs()
@@ -577,7 +580,7 @@ class ClipCovGlobalPolicyLossConfig(GlobalModePolicyLossConfig):
 
     def __post_init__(self):
         _parent_post_init(self, ClipCovGlobalPolicyLossConfig)
-        _require_loss_mode(self, ClipCovGlobalPolicyLossConfig.loss_mode)
+        _require_loss_mode(self)
         validate_clip_cov_ratio(self.clip_cov_ratio)
         validate_clip_cov_window(self.clip_cov_lb, self.clip_cov_ub)
         validate_clip_cov_seed(self.clip_cov_seed)
@@ -602,7 +605,7 @@ class HighEntropyGlobalPolicyLossConfig(GlobalModePolicyLossConfig):
 
     def __post_init__(self):
         _parent_post_init(self, HighEntropyGlobalPolicyLossConfig)
-        _require_loss_mode(self, HighEntropyGlobalPolicyLossConfig.loss_mode)
+        _require_loss_mode(self)
         validate_entropy_top_ratio(self.entropy_top_ratio)
         self.validate_common_knobs()
 
@@ -630,7 +633,7 @@ class StareGlobalPolicyLossConfig(PolicyLossConfig):
 
     def __post_init__(self):
         _parent_post_init(self, StareGlobalPolicyLossConfig)
-        _require_loss_mode(self, StareGlobalPolicyLossConfig.loss_mode)
+        _require_loss_mode(self)
         validate_stare_knobs(self)
         validate_prepass_layout(self.prepass_layout)
 
@@ -653,7 +656,7 @@ class LpRegGlobalPolicyLossConfig(PolicyLossConfig):
 
     def __post_init__(self):
         _parent_post_init(self, LpRegGlobalPolicyLossConfig)
-        _require_loss_mode(self, LpRegGlobalPolicyLossConfig.loss_mode)
+        _require_loss_mode(self)
         validate_lp_reg_knobs(self)
         validate_ppo_kl_coef(self.ppo_kl_coef)
         validate_prepass_layout(self.prepass_layout)
