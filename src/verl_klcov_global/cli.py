@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import functools
 import sys
+import traceback
 from typing import Optional, Sequence
 
 from .modes import MODES
@@ -29,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
             "policy-loss registry (--loss-mode NAME, after --import MODULE) is judged by measurement: 1 vs N "
             "micro-batches, static and dynamic, and a repeated update with the generators in another state, each "
             "against the control. Exit status 0 when every mode or loss diagnosed is invariant (masks identical, "
-            "parameter differences within 10x the control's), 1 when one is not, 2 for bad input."
+            "parameter differences within 10x the control's), 1 when one ran and is not, 2 for bad input or a mode "
+            "that cannot run (the reason last: the mode, the stage, the message; --verbose adds the traceback)."
         ),
     )
     # Absent options leave no attribute, so --config-name can tell which were given (_usage_errors);
@@ -93,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
              "the authors'); also its per-micro-batch comparator's (lp_reg_per_micro_batch), as are the next two")
     add("--lp-reg-pos-ratio", type=float, help="Lp-Reg's rho+, the same for the A > 0 tokens (default 0: off)")
     add("--lp-reg-min-p", type=float, help="Lp-Reg's kappa, the proxy's min-p threshold (default 0.02)")
+    add("--set", dest="set_knobs", action="append", metavar="KEY=VALUE",
+        help="a knob of the mode(s) diagnosed, by its policy_loss key (ModeSpec.knobs), for any mode of the table, "
+             "built-in or yours: e.g. --set rare_token_max_prob=0.3, --set stare_top_ratio=0.2 (the same as "
+             "--stare-top-ratio 0.2). Repeatable; the value is read as YAML and validated by the mode's config class "
+             "and its read_settings. With --config-name: override actor_rollout_ref.actor.policy_loss.KEY instead")
     add("--strategy", choices=["fsdp", "fsdp2"], help="default fsdp")
     add("--json", dest="json_path", help="also write the full report as JSON to this file")
     config = diagnose.add_argument_group(
@@ -163,6 +170,7 @@ CONFIG_KEYS = {
         "stare_top_ratio", "stare_reweight_w", "stare_reweight_m", "stare_variant", "stare_adaptive", "stare_alpha",
         "stare_w_max", "stare_m_min", "lp_reg_neg_ratio", "lp_reg_pos_ratio", "lp_reg_min_p")},
     "strategy": "actor_rollout_ref.actor.strategy",
+    "set_knobs": "actor_rollout_ref.actor.policy_loss.KEY",
 }
 _CONFIG_ONLY = ("config_path", "overrides", "max_tokens", "tiny_model")
 #: options that a --config-name run takes too, and copies into the planned DiagnoseOptions
@@ -177,8 +185,12 @@ def _add_suppressed(parser: argparse.ArgumentParser, *names: str, **kwargs):
     return parser.add_argument(*names, default=argparse.SUPPRESS, **kwargs)
 
 
+#: options whose flag is not their dest with dashes
+_FLAGS = {"set_knobs": "--set", "json_path": "--json", "imports": "--import"}
+
+
 def _option_name(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
+    return _FLAGS.get(dest, "--" + dest.replace("_", "-"))
 
 
 def _usage_errors(given: dict) -> list[str]:
@@ -196,13 +208,18 @@ def _usage_errors(given: dict) -> list[str]:
 
 
 def _diagnose(given: dict) -> int:
+    from .diagnose.knobs import ModeCannotRunError, parse_set
     from .diagnose.run import DiagnoseError, DiagnoseOptions, format_report, run_diagnose
 
+    verbose = bool(given.get("verbose"))
+    explicit = tuple(dest for dest in given if dest not in ("set_knobs", "imports", "verbose"))
     try:
         errors = _usage_errors(given)
         if errors:
             raise DiagnoseError("; ".join(errors))
         given["imports"] = tuple(given.get("imports") or ())
+        if "set_knobs" in given:
+            given["set_knobs"] = parse_set(given["set_knobs"])
         from .diagnose.user_losses import import_user_modules
 
         import_user_modules(given["imports"])  # before the config (its _target_ may be theirs) and the name check
@@ -220,9 +237,21 @@ def _diagnose(given: dict) -> int:
             options, extra = dataclasses.replace(plan.options, responses="random", **run_options), plan.to_json()
         else:
             options = DiagnoseOptions(**{k: v for k, v in given.items() if k not in ("config_name",) + _CONFIG_ONLY})
-        report = run_diagnose(options, extra=extra)
+        report = run_diagnose(options, extra=extra, explicit=explicit)
+    except ModeCannotRunError as error:
+        if verbose:
+            print(error.traceback_text, file=sys.stderr, end="")
+        print(f"verl-klcov-global diagnose: error: {error}" + ("" if verbose else " (--verbose shows the traceback)"),
+              file=sys.stderr)
+        return 2
     except DiagnoseError as error:
         print(f"verl-klcov-global diagnose: error: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:  # diagnose itself could not run: 2, never 1 (1 means a mode measured split-dependent)
+        if verbose:
+            traceback.print_exc()
+        print(f"verl-klcov-global diagnose: error: diagnose could not run: {type(error).__name__}: {error}"
+              + ("" if verbose else " (--verbose shows the traceback)"), file=sys.stderr)
         return 2
     print(format_report(report))
     return 0 if report["invariant"] else 1

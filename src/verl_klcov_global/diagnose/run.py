@@ -119,14 +119,20 @@ class DiagnoseOptions:
     samples_per_prompt: int = 4
     #: the sampling temperature (sampled responses)
     temperature: float = 1.0
+    #: ``--set KEY=VALUE``: values of the diagnosed modes' knobs (``ModeSpec.knobs``) that have no diagnose option of
+    #: their own, e.g. a user's mode's new knob (a key that has one is moved into it: diagnose/knobs.py); validated by
+    #: the mode's config class and ``read_settings``
+    set_knobs: dict = field(default_factory=dict)
 
     @property
     def explicit_layout(self) -> bool:
         return self.micro_batch_size_per_gpu is not None or self.max_token_len_per_gpu is not None
 
 
-def validate(options: DiagnoseOptions) -> DiagnoseOptions:
-    """Check every option up front; raise :class:`DiagnoseError` saying what to change."""
+def validate(options: DiagnoseOptions, explicit: tuple = ()) -> DiagnoseOptions:
+    """Check every option up front; raise :class:`DiagnoseError` saying what to change (a
+    :class:`~.knobs.ModeCannotRunError` when a mode's own code raised). Returns the options with ``--set``'s keys
+    folded (:func:`.knobs.fold_set_knobs`; ``explicit``: the options given on the command line)."""
     if options.model is not None:
         if not os.path.isdir(options.model):
             raise DiagnoseError(f"--model {options.model!r}: no such directory (give a local HF checkpoint folder)")
@@ -163,24 +169,40 @@ def validate(options: DiagnoseOptions) -> DiagnoseOptions:
                             f"{options.loss_mode}")
     check_loss_mode(options.loss_mode)  # after --import: a user's loss is registered by now
     from ..modes import MODES
+    from ..seams import GLOBAL_MODE_NAMES
+    from .knobs import ModeCannotRunError, fold_set_knobs
+
+    options = fold_set_knobs(options, global_modes_of(options), explicit)
 
     ratio = options.entropy_top_ratio
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) <= 1.0:
         raise DiagnoseError(f"--entropy-top-ratio must be a fraction in (0, 1] (0.2 keeps the top 20% of tokens), "
                             f"got {ratio!r}")
+    diagnosed = global_modes_of(options)
     try:
         measured = measured_losses_of(options)
-        for mode, spec in MODES.items():  # each mode's config class validates its knobs and the actor fields
-            if spec.config_class is not None and not measured:
+        for mode, spec in MODES.items():  # each built-in mode's config class validates its knobs and the actor fields
+            if spec.config_class is not None and not measured and mode in GLOBAL_MODE_NAMES:
                 _actor_config(options, mode)
-        for mode in global_modes_of(options):  # what only the loss reads (stare_global: the aggregation mode)
+        for mode in diagnosed:  # a diagnosed mode's config, then what only the loss reads (stare: the agg mode)
             try:
-                MODES[mode].read_settings(_actor_config(options, mode))
+                actor_config = _actor_config(options, mode)
+            except (ValueError, DiagnoseError):
+                raise
+            except Exception as error:  # not a bad knob: the mode's config class itself raised
+                raise ModeCannotRunError(mode, f"its config class {MODES[mode].config_class.__name__}"
+                                         if MODES[mode].config_class else "building its policy_loss", error) from None
+            try:
+                MODES[mode].read_settings(actor_config)
             except ValueError as error:
                 raise ValueError(f"{mode}: {error}" + ("; or diagnose another mode with --loss-mode"
                                                        if options.loss_mode == "all" else "")) from None
+            except Exception as error:
+                raise ModeCannotRunError(mode, "its settings reader (ModeSpec.read_settings)", error) from None
         for loss in measured:
             _actor_config(options, loss)
+    except DiagnoseError:
+        raise
     except ValueError as error:
         raise DiagnoseError(str(error)) from None
     except Exception as error:  # the user's policy_loss config class (Hydra instantiate): say which
@@ -289,6 +311,7 @@ def _actor_config(options: DiagnoseOptions, mode: str):
 
     from ..lab import tiny as _tiny
     from ..lab.experiment import LAB_UPSTREAMS, upstream_counts, variant_of
+    from .knobs import knob_values, policy_loss_config
 
     actor = {name: getattr(options, name) for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high",
                                                        "clip_ratio_c", "loss_scale_factor")
@@ -296,19 +319,19 @@ def _actor_config(options: DiagnoseOptions, mode: str):
     actor["loss_agg_mode"] = options.loss_agg_mode
     spec, forced_layout = variant_of(mode)
     if spec is not None:
-        knobs = {key: getattr(options, key) for key in spec.knobs if key != "prepass_layout"}
         # the entropy controller's knobs go to the modes it drives (entropy_sign != 0: STARE has its own feedback)
         control = options.entropy_control if spec.entropy_sign else {}
-        policy_loss = spec.config_class(prepass_layout=forced_layout or options.prepass_layout, **knobs, **control)
+        policy_loss = policy_loss_config(spec, knob_values(options, spec), forced_layout or options.prepass_layout,
+                                         control, given=options.set_knobs)
         return _tiny.make_actor_config(policy_loss=policy_loss, **actor)
     if mode in measured_losses_of(options):
         return _tiny.make_actor_config(policy_loss=_measured_policy_loss(options, mode), **actor)
     counts = upstream_counts(mode)
-    if counts is not None:
-        knobs = {key: getattr(options, key) for key in counts.knobs if key not in counts.plugin_knobs}
+    if counts is not None:  # the same knob values as the global mode's
+        values = knob_values(options, counts)
         if mode in LAB_UPSTREAMS:  # the lab's comparator: its own config class, every knob of the mode
-            knobs = {key: getattr(options, key) for key in counts.knobs if key != "prepass_layout"}
-            return _tiny.make_actor_config(policy_loss=LAB_UPSTREAMS[mode][1](loss_mode=mode, **knobs), **actor)
+            return _tiny.make_actor_config(policy_loss=LAB_UPSTREAMS[mode][1](loss_mode=mode, **values), **actor)
+        knobs = {key: value for key, value in values.items() if key not in counts.plugin_knobs}
         return _tiny.make_actor_config(policy_loss=PolicyLossConfig(loss_mode=mode, **knobs), **actor)
     return _tiny.make_actor_config(loss_mode=mode, kl_cov_ratio=options.kl_cov_ratio,
                                    ppo_kl_coef=options.ppo_kl_coef, **actor)
@@ -349,7 +372,8 @@ def layouts_of(options: DiagnoseOptions, seq_len: Optional[int] = None):
     return static_layouts(options.batch_size, options.micro_batches)
 
 
-def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[dict] = None) -> dict:
+def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[dict] = None,
+                 explicit: tuple = ()) -> dict:
     """Run the experiment; return the report (also written to ``options.json_path`` when set).
 
     ``extra``: more report keys, e.g. ``--config-name``'s settings table (``diagnose/user_config.py``).
@@ -362,8 +386,9 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
     from ..lab import tiny as _tiny
     from ..modes import MODES
     from ..lab.experiment import TRAIN_LAYOUT_SUFFIX, EngineSpec, compared_modes, frozen_minibatch, run_block
+    from .knobs import mode_failure
 
-    options = validate(resolve_model(options, progress))
+    options = validate(resolve_model(options, progress), explicit)
     measured = measured_losses_of(options)
     quiet = contextlib.nullcontext if options.verbose else quiet_verl
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -386,7 +411,10 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
         layouts = (sampled_dynamic_layouts(options, sampled) if sampled and options.layout == "dynamic"
                    and not options.explicit_layout else layouts_of(options, seq_len))
 
+        running = {"mode": None}  # the name being updated: a failure is reported as that mode's
+
         def actor_config_for(mode):
+            running["mode"] = mode
             return _actor_config(options, mode)
 
         failed: dict[str, str] = {}  # measured losses that raised: name -> why
@@ -411,8 +439,13 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
                 return 2 * len(modes) + len(repeat_modes)
 
             def run(batch, report_step) -> dict:
-                results = run_block(spec, batch, layouts, actor_config_for, modes=modes, repeat_modes=repeat_modes,
-                                    progress=report_step)
+                try:
+                    results = run_block(spec, batch, layouts, actor_config_for, modes=modes,
+                                        repeat_modes=repeat_modes, progress=report_step)
+                except DiagnoseError:
+                    raise
+                except Exception as error:  # exit 2 with the mode and stage, never 1 (which means: measured)
+                    raise mode_failure(running["mode"] or "diagnose", error) from None
                 return {mode: asdict(result) for mode, result in results.items()}
 
         blocks = []
@@ -675,6 +708,8 @@ def format_report(report: dict) -> str:
                   + (f", M {options['stare_reweight_m']}" if options["stare_variant"] == "C2" else "")
                   + f", {options['stare_variant']}, target entropy {options['stare_target_entropy']:g}"
                   + (f", adaptive (alpha {options['stare_alpha']})" if options["stare_adaptive"] else ""))
+    if options.get("set_knobs"):
+        knobs += " | --set " + ", ".join(f"{key}={value}" for key, value in options["set_knobs"].items())
     if report.get("measured_losses"):
         knobs = (f"policy_loss: your config's ({(options.get('policy_loss') or {}).get('_target_')})"
                  if options.get("policy_loss") else f"policy_loss: verl's PolicyLossConfig, kl_cov_ratio "

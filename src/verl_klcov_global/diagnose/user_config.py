@@ -509,6 +509,15 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
                                note="not in your policy_loss: the plugin's default")
     if policy_loss is None and loss_mode in ("all", "stare_global"):
         knobs.update(_stare_knobs(r, take))
+    set_knobs = {}
+    if policy_loss is None:  # a mode's knobs that diagnose has no option for (a user's mode's): your config's values
+        from .knobs import option_fields
+
+        for spec in (spec for name, spec in MODES.items() if loss_mode in ("all", name)):
+            for knob in spec.knobs:
+                key = f"{POLICY_LOSS}.{knob}"
+                if knob not in option_fields(DiagnoseOptions) and knob not in set_knobs and r.get(key) is not None:
+                    set_knobs[knob] = take(knob, key, note=f"a knob of {spec.name}")
     entropy_control = {}
     if policy_loss is not None:
         pass  # the plugin's entropy controller drives the table's modes only: no rows for a loss outside it
@@ -673,7 +682,7 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
         response_len=shape.response_len, micro_batches=micro_batches, use_remove_padding=use_remove_padding,
         gradient_checkpointing=gradient_checkpointing, loss_agg_mode=loss_agg_mode,
         loss_scale_factor=loss_scale_factor, compare_prepass_layouts=False, policy_loss=policy_loss,
-        entropy_control=entropy_control, **knobs, **clip, **layout_kwargs,
+        entropy_control=entropy_control, set_knobs=set_knobs, **knobs, **clip, **layout_kwargs,
     )
     scaling = {"full": asdict(full), "used": asdict(shape), "max_tokens": max_tokens, "scaled": scaled,
                "micro_batches": micro_batches, "data_parallel_size": dp, "text": scaling_text}
