@@ -1,64 +1,57 @@
-"""A third loss mode, defined in this file alone: one table entry and one selection function.
+"""A mode added to the table, as part 2 of docs/ADDING_A_MODE.md writes it: one table entry and one selection function.
 
 ``top_advantages_global`` selects the ``kl_cov_ratio`` fraction of tokens with the largest
 advantages over the minibatch (and the DP group) and applies KL-Cov's penalty to them. Nothing
 in the package names it: registering it in the table is enough for verl's policy-loss registry
 (the plugin's one registration route), the driver's checks, and the real FSDP engine's prepass ->
 mask -> loss path, whose masks must be identical for 1 and 8 micro-batches
-(``docs/ADDING_A_MODE.md`` walks through the same steps).
+(the page's two code blocks are executed here as written).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+import types
 
 import pytest
 import torch
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn
 
 from verl_klcov_global import driver, plugin
-from verl_klcov_global.config import read_kl_cov_settings
 from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch, run_block, static_layouts
-from verl_klcov_global.layout import MinibatchFields, padded
-from verl_klcov_global.loss import kl_cov_objective, provide_selection_mask
-from verl_klcov_global.modes import MODES, ModeSpec, global_mode_of, register_mode, unregister_mode
-from verl_klcov_global.selection.collectives import agree_and_mean, float_order_keys, select_largest_keys
+from verl_klcov_global.layout import padded
+from verl_klcov_global.loss import provide_selection_mask
+from verl_klcov_global.modes import MODES, global_mode_of, register_mode, unregister_mode
 from verl_klcov_global.selection.knobs import ratio_quota
 
+from .support.docs import code_blocks, section
 from .trainer_support import trainer
 
+PART_2 = "## Part 2: a built-in mode of this repository"
 NAME = "top_advantages_global"
 PREFIX = "actor/top_advantages/"
 RATIO = 0.01
 NOISE_FACTOR = 10  # the mode's layout difference must stay within 10x the penalty-free control's
 
 
-@dataclass(frozen=True)
-class TopAdvantages:
-    mask: torch.Tensor
-    quota: int
-    num_selected: int
-
-    def figures(self) -> dict[str, float]:
-        return {"quota": float(self.quota), "selected": float(self.num_selected)}
-
-
-def select_top_advantages(fields: MinibatchFields, settings, group) -> TopAdvantages:
-    """The one selection function: the ``kl_cov_ratio`` fraction of valid tokens with the largest advantages."""
-    means = agree_and_mean((fields.response["advantages"].detach().double(),), fields.response_mask.bool(),
-                           {"kl_cov_ratio": settings.kl_cov_ratio}, group)
-    quota = ratio_quota(means.num_valid, settings.kl_cov_ratio)
-    top = select_largest_keys(float_order_keys(means.values[0]), means.valid, quota, means.num_valid, group)
-    return TopAdvantages(mask=top.mask, quota=quota, num_selected=quota)
+def _run_the_pages_blocks() -> dict:
+    """Part 2 of docs/ADDING_A_MODE.md, executed as written: the selection block, then the table entry block."""
+    module = types.ModuleType("adding_a_mode_part_2")  # a module of its own, as the page's file would be
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    for number, block in enumerate(code_blocks(section("ADDING_A_MODE.md", PART_2), "python"), 1):
+        exec(compile(block, f"docs/ADDING_A_MODE.md (part 2, block {number})", "exec"), module.__dict__)
+    return module.__dict__
 
 
-#: The one table entry (reusing kl_cov's knobs, reader and objective).
-TOP_ADVANTAGES = ModeSpec(
-    name=NAME, upstream=None, metric_prefix=PREFIX, knobs=("kl_cov_ratio", "ppo_kl_coef", "prepass_layout"),
-    read_settings=read_kl_cov_settings, response_fields=("advantages",), select=select_top_advantages,
-    objective=kl_cov_objective,
-)
+PAGE = _run_the_pages_blocks()
+#: The one table entry (reusing kl_cov's knobs, reader and objective), as the page defines it.
+TOP_ADVANTAGES = PAGE["TOP_ADVANTAGES"]
+
+
+def test_the_page_defines_the_mode_this_file_tests():
+    assert TOP_ADVANTAGES.name == NAME and TOP_ADVANTAGES.metric_prefix == PREFIX
+    assert TOP_ADVANTAGES.select is PAGE["select_top_advantages"] and TOP_ADVANTAGES.config_class is None
 
 
 @pytest.fixture
