@@ -25,6 +25,7 @@ from verl_klcov_global import driver, guardrails
 
 from .test_driver import PL, ROUTES, _compose
 from .trainer_support import trainer
+from .trainer_support.e2e import ray_started
 from .trainer_support.env import REPO_ROOT, subprocess_env
 
 ACTOR = "actor_rollout_ref.actor."
@@ -242,10 +243,6 @@ def _main_ppo(tiny_model_path, overrides, marker: str):
     return SimpleNamespace(returncode=proc.returncode, stdout="".join(lines)), first, time.monotonic() - start
 
 
-def _before_ray(output: str) -> bool:
-    return "ray init kwargs" not in output and "Started a local Ray instance" not in output
-
-
 @pytest.mark.slow
 @pytest.mark.needs_driver_validate_config  # verl 0.8's main_ppo calls validate_config in the TaskRunner, after ray.init
 def test_main_ppo_bypass_mode_error_before_ray_starts(tiny_model_path):
@@ -255,7 +252,7 @@ def test_main_ppo_bypass_mode_error_before_ray_starts(tiny_model_path):
     assert proc.returncode != 0, proc.stdout[-3000:]
     assert "TrainerConfigError: verl-klcov-global: algorithm.rollout_correction.bypass_mode: bypass_mode=True with " \
            "loss_mode=kl_cov_global would silently drop rollout_is=token" in proc.stdout, proc.stdout[-3000:]
-    assert _before_ray(proc.stdout), proc.stdout[-3000:]
+    assert not ray_started(proc.stdout), proc.stdout[-3000:]
     line = next(line for line in proc.stdout.splitlines() if "TrainerConfigError" in line)
     print(f"time to the error: {seconds:.1f} s\n{line}")
 
@@ -268,7 +265,7 @@ def test_main_ppo_refuses_the_old_policy_layout_in_bypass_mode_before_ray_starts
     assert proc.returncode != 0, proc.stdout[-3000:]
     assert "TrainerConfigError: verl-klcov-global: actor_rollout_ref.actor.policy_loss.prepass_layout: " \
            "prepass_layout=old selects from pi_old" in proc.stdout, proc.stdout[-3000:]
-    assert _before_ray(proc.stdout), proc.stdout[-3000:]
+    assert not ray_started(proc.stdout), proc.stdout[-3000:]
     print(f"time to the error: {seconds:.1f} s")
 
 
@@ -288,7 +285,7 @@ def test_main_ppo_prints_the_warnings_by_default(tiny_model_path):
     # the warnings did not stop the run: verl's own check came after them
     assert "ppo_micro_batch_size_per_gpu' if use_dynamic_bsz is not enabled" in out, out[-3000:]
     assert out.index("GuardrailWarning") < out.index("ppo_micro_batch_size_per_gpu' if use_dynamic_bsz")
-    assert _before_ray(out), out[-3000:]
+    assert not ray_started(out), out[-3000:]
     print(f"time to the first warning: {seconds:.1f} s (to verl's own error after them: {total:.1f} s)\n"
           + "\n".join(l for l in out.splitlines() if "GuardrailWarning" in l))
 

@@ -32,6 +32,7 @@ import verl
 from verl_klcov_global.driver import WORKER_LOADER_DIR
 from verl_klcov_global.install_hint import INSTALL_HINT
 
+from .trainer_support.e2e import ray_started
 from .trainer_support.env import INHERITED_ENV_TO_DROP, REPO_ROOT
 
 pytestmark = [pytest.mark.slow,  # fresh interpreters (and a local Ray cluster)
@@ -125,7 +126,7 @@ def test_main_ppo_driver_shows_the_seam_error_first_and_stops_before_ray(tmp_pat
         first], out[-3000:]
     for wrong in _WRONG_ADVICE:
         assert wrong not in out, (wrong, out[-3000:])
-    assert "ray init kwargs" not in out  # stopped before run_ppo's ray.init
+    assert not ray_started(out), out[-3000:]  # stopped before run_ppo's ray.init
 
 
 _WORKERS = """

@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from ..trainer_support.e2e import main_ppo_argv, write_dataset
+from ..trainer_support.e2e import main_ppo_argv, ray_started, write_dataset
 from ..trainer_support.env import CPU_PLUGIN_MODULE, REPO_ROOT, subprocess_env
 from .test_trainer_e2e import _logged_steps
 
@@ -46,7 +46,6 @@ PROMPTS, N, MINI_BATCH_PROMPTS = 4, 4, 2  # 16 sequences, 2 optimizer steps of 8
 RARE_TOKEN_METRICS = ("quota", "selected", "valid_tokens", "selected_in_micro_batch", "prepass_seconds",
                       "selection_seconds", "prepass_reused")
 DRIVER_CHECKED = f"verl-klcov-global: loss_mode={MODE}: knobs checked in the driver"
-RAY_STARTED = ("ray init kwargs", "Started a local Ray instance")
 
 
 def _own_mode_env() -> dict[str, str]:
@@ -81,7 +80,7 @@ def _stops_in_the_driver(work_dir, tiny_model_path, loss_mode: str, overrides: l
     assert proc.returncode != 0, output[-3000:]
     assert message in output, output[-3000:]
     assert "TrainerConfigError" in proc.stderr, proc.stderr[-3000:]
-    assert not [marker for marker in RAY_STARTED if marker in output], output[-3000:]
+    assert not ray_started(output), output[-3000:]
     print(f"\n{loss_mode}: the driver's error after {seconds:.1f} s")
 
 

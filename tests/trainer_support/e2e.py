@@ -13,6 +13,15 @@ from .rollout import ROLLOUT_NAME
 REWARD_FILE = os.path.join(REPO_ROOT, "tests", "trainer_support", "reward.py")
 
 
+#: What ``main_ppo`` prints once it starts Ray (verl's ``ray init kwargs`` line, Ray's own for a local instance).
+RAY_STARTED = ("ray init kwargs", "Started a local Ray instance")
+
+
+def ray_started(output: str) -> bool:
+    """Whether a ``main_ppo`` run's ``output`` shows Ray started: a check that stops the run "before Ray" must not."""
+    return any(marker in output for marker in RAY_STARTED)
+
+
 def write_dataset(path: str, n_prompts: int) -> str:
     """A parquet file of ``n_prompts`` chat prompts in verl's RL dataset format (the experiments' writer)."""
     return lab_write_dataset(path, n_prompts, data_source="kl_cov_global_e2e")
