@@ -9,9 +9,10 @@
 # loss changed:
 #   actor.loss_mode=lp_reg + actor.{logp_neg_k_percent,logp_pos_k_percent,minp_p_threshold,minp_old_log_prob,
 #   kl_type,ppo_kl_coef}
-#   -> policy_loss.loss_mode=lp_reg_global + policy_loss.lp_reg_{neg_ratio,pos_ratio,min_p} and verl's
-#      policy_loss.ppo_kl_coef (this plugin; the proxy is always the old policy's, computed in the log-prob
-#      pass, as minp_old_log_prob=True; the KL is always low_var_kl, the script's kl_type).
+#   -> policy_loss.loss_mode=lp_reg_global + policy_loss.lp_reg_{neg_ratio,pos_ratio,min_p,kl_coef}
+#      (this plugin; beta is lp_reg_kl_coef, not verl's ppo_kl_coef, which verl's YAML sets to 0.1; the proxy
+#      is always the old policy's, computed in the log-prob pass, as minp_old_log_prob=True; the KL is always
+#      low_var_kl, the script's kl_type).
 # Each value's source is noted [recipe] (from that script) or [ours].
 #
 # Where this differs from the fork (docs/HOW_IT_WORKS.md "Lp-Reg"):
@@ -70,7 +71,7 @@ overrides=(
   +actor_rollout_ref.actor.policy_loss.lp_reg_neg_ratio=0.01     # [recipe] logp_neg_k_percent (0.005 for 32B)
   +actor_rollout_ref.actor.policy_loss.lp_reg_pos_ratio=0.0      # [recipe] logp_pos_k_percent: off
   +actor_rollout_ref.actor.policy_loss.lp_reg_min_p=0.02         # [recipe] minp_p_threshold
-  actor_rollout_ref.actor.policy_loss.ppo_kl_coef=1.0            # [recipe] beta
+  +actor_rollout_ref.actor.policy_loss.lp_reg_kl_coef=1.0        # [recipe] beta (the script's ppo_kl_coef=1)
   actor_rollout_ref.actor.loss_agg_mode=token-mean               # [recipe]
   actor_rollout_ref.actor.entropy_coeff=0                        # [recipe]
   actor_rollout_ref.actor.use_kl_loss=False                      # [recipe]

@@ -75,8 +75,9 @@ STARE_TARGETS = (STARE_DEFAULT_TARGET, STARE_OPEN_TARGET)
 STARE_FIGURES = ("gate_on", "batch_entropy", "reweight_w_in_use", "reweight_m_in_use", "target_entropy",
                  "surprisal_mean", "selected_surprisal_share")
 LP_REG = "lp_reg_global"
-#: lp_reg_global's knobs, fixed before its runs: the authors' kappa 0.02 and beta 1 (BASE's ppo_kl_coef), rho- 0.05:
-#: a minibatch of the miniature holds about 128 negative-advantage tokens, where the authors' 0.01 gives a quota of 1
+#: lp_reg_global's knobs, fixed before its runs: the authors' kappa 0.02 and beta 1 (lp_reg_kl_coef, its default),
+#: rho- 0.05: a minibatch of the miniature holds about 128 negative-advantage tokens, where the authors' 0.01 gives a
+#: quota of 1
 LP_REG_KNOBS = {"lp_reg_neg_ratio": 0.05, "lp_reg_pos_ratio": 0.0, "lp_reg_min_p": 0.02}
 #: lp_reg_global's figures beside its counts (per optimizer step)
 LP_REG_FIGURES = ("regularised", "selected_in_support_share", "kl_mean", "per_call_switched_off")

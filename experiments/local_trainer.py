@@ -203,7 +203,7 @@ def trainer_overrides(run: RunConfig, *, model_path: str, train_file: str, out_d
         "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
         f"{policy}.loss_mode={run.loss_mode}",
         f"{policy}.kl_cov_ratio={run.kl_cov_ratio}",
-        f"{policy}.ppo_kl_coef={run.ppo_kl_coef}",
+        *([] if run.loss_mode == "lp_reg_global" else [f"{policy}.ppo_kl_coef={run.ppo_kl_coef}"]),  # Lp-Reg: its own
         f"{policy}.clip_cov_ratio={run.clip_cov_ratio}",
         f"{policy}.clip_cov_lb={run.clip_cov_lb}",
         f"{policy}.clip_cov_ub={run.clip_cov_ub}",

@@ -105,7 +105,7 @@ def test_example_overrides_compose_and_validate(script):
 
         assert isinstance(actor.policy_loss, LpRegGlobalPolicyLossConfig)
         settings = read_lp_reg_settings(actor)
-        assert (settings.neg_ratio, settings.pos_ratio, settings.min_p, settings.ppo_kl_coef) == (0.01, 0.0, 0.02, 1.0)
+        assert (settings.neg_ratio, settings.pos_ratio, settings.min_p, settings.kl_coef) == (0.01, 0.0, 0.02, 1.0)
         assert (settings.clip_ratio_low, settings.clip_ratio_high, settings.clip_ratio_c) == (1.0, 9.0, 10.0)
         assert settings.prepass_layout == "infer"
         assert actor.ppo_max_token_len_per_gpu == 30720 and actor.ppo_mini_batch_size == 256
@@ -243,15 +243,15 @@ def test_lp_reg_global_yaml_selects_the_plugin_config_and_takes_overrides_withou
 
     actor = validated_actor(compose_config_file("lp_reg_global", [
         f"actor_rollout_ref.actor.policy_loss.{override}" for override in (
-            "lp_reg_neg_ratio=0.005", "lp_reg_pos_ratio=0.001", "lp_reg_min_p=0.05", "ppo_kl_coef=0.5",
+            "lp_reg_neg_ratio=0.005", "lp_reg_pos_ratio=0.001", "lp_reg_min_p=0.05", "lp_reg_kl_coef=0.5",
             "prepass_layout=old")]))
     assert type(actor.policy_loss) is LpRegGlobalPolicyLossConfig
     settings = read_lp_reg_settings(actor)
-    assert (settings.neg_ratio, settings.pos_ratio, settings.min_p, settings.ppo_kl_coef, settings.prepass_layout) == (
+    assert (settings.neg_ratio, settings.pos_ratio, settings.min_p, settings.kl_coef, settings.prepass_layout) == (
         0.005, 0.001, 0.05, 0.5, "old")
     default_config = compose_config_file("lp_reg_global")
     default = read_lp_reg_settings(validated_actor(default_config))
-    assert (default.neg_ratio, default.pos_ratio, default.min_p, default.ppo_kl_coef) == (0.01, 0.0, 0.02, 1.0)
+    assert (default.neg_ratio, default.pos_ratio, default.min_p, default.kl_coef) == (0.01, 0.0, 0.02, 1.0)
     declared = set(default_config.actor_rollout_ref.actor.policy_loss)
     plugin_fields = {f.name for f in fields(LpRegGlobalPolicyLossConfig)} - {
         f.name for f in fields(LpRegGlobalPolicyLossConfig.__mro__[1])}
@@ -262,7 +262,8 @@ def test_lp_reg_global_yaml_selects_the_plugin_config_and_takes_overrides_withou
     ("lp_reg_neg_ratio=2", r"lp_reg_neg_ratio must be finite and in \[0, 1\].*policy_loss.lp_reg_neg_ratio"),
     ("lp_reg_neg_ratio=0", r"both 0: lp_reg_global would regularise no token"),
     ("lp_reg_min_p=1", r"lp_reg_min_p must be finite and in \[0, 1\).*policy_loss.lp_reg_min_p"),
-    ("ppo_kl_coef=-1", r"ppo_kl_coef must be finite and >= 0"),
+    ("lp_reg_kl_coef=-1", r"lp_reg_kl_coef must be finite and >= 0.*policy_loss.lp_reg_kl_coef"),
+    ("ppo_kl_coef=1", r"ppo_kl_coef=1\S* is KL-Cov's coefficient, which lp_reg_global does not read.*lp_reg_kl_coef"),
     ("loss_mode=kl_cov_global", r"loss_mode is 'kl_cov_global'.*policy_loss.loss_mode=lp_reg_global"),
 ])
 def test_lp_reg_global_yaml_bad_values_fail_verls_validation(override, message):

@@ -1,7 +1,8 @@
 """``lp_reg_global``'s knobs and whole-config findings, before Ray (composed as ``main_ppo`` composes, checked by the
 driver's own check): every knob validated with its key named; no log-prob pass (``bypass_mode``), a trainer whose
-pass the plugin does not keep, and fused kernels (no logits for the proxy) are errors; the authors' defaults give
-no finding."""
+pass the plugin does not keep, and fused kernels (no logits for the proxy) are errors; verl's ``ppo_trainer`` with
+the plugin's class through ``_target_`` and no knob set gives no finding (and the authors' values,
+tests/test_loss_routes.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def valid(tiny_model_path):
     return VALID + [f"actor_rollout_ref.model.path={tiny_model_path}"]
 
 
-def test_the_authors_defaults_give_no_finding(valid):
+def test_the_target_route_with_no_knob_set_gives_no_finding(valid):
     config = _compose(valid)
     assert _codes(config) == []
     assert driver.check_trainer_config(config) == "lp_reg_global"
@@ -40,7 +41,9 @@ def test_the_authors_defaults_give_no_finding(valid):
 @pytest.mark.parametrize("knob, value, words", [
     ("lp_reg_neg_ratio", 1.5, "in [0, 1]"), ("lp_reg_pos_ratio", -0.1, "in [0, 1]"),
     ("lp_reg_min_p", 1.0, "in [0, 1)"), ("lp_reg_min_p", "nan", "finite"), ("lp_reg_neg_ratio", 0.0, "both 0"),
-    ("ppo_kl_coef", -1.0, ">= 0"),
+    ("lp_reg_kl_coef", -1.0, ">= 0"), ("lp_reg_kl_coef", "nan", "finite"),
+    # beta is lp_reg_kl_coef: a ppo_kl_coef other than verl's 0.1 would be a beta the run does not get
+    ("ppo_kl_coef", 1.0, "lp_reg_kl_coef=1.0"), ("ppo_kl_coef", 0.5, "does not read"),
 ])
 def test_a_bad_knob_stops_the_driver_naming_it(valid, knob, value, words):
     config = _compose(valid + [f"{PL}{knob}={value}"])

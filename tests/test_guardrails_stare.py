@@ -3,7 +3,8 @@
 
 * every knob is validated with its key named (P in [0, 1], W >= 1, 0 < M <= 1, the variant, and with the schedule
   m_min <= M <= 1 <= W <= w_max); the sum ``loss_agg_mode`` values are refused (the gate would compare a sum with a
-  per-token target), ``seq-mean-token-sum-norm`` needs ``loss_scale_factor``;
+  per-token target), and so is ``seq-mean-token-sum-norm`` with or without ``loss_scale_factor`` (the authors' fork
+  and verl aggregate the gate's entropy there into two different figures, neither per token);
 * ``bypass_mode`` (no log-prob pass, so no batch entropy) and a trainer whose pass the plugin does not see are
   errors; settings that make the mode a no-op, an unused M, a state that a resume would lose and the critic warm-up
   are warnings;
@@ -77,11 +78,15 @@ def test_a_sum_loss_agg_mode_is_refused_naming_the_key(valid, mode):
     assert f"{ACTOR}loss_agg_mode" in str(caught.value) and "sum" in str(caught.value)
 
 
-def test_seq_mean_token_sum_norm_needs_a_fixed_scale(valid):
-    config = _compose(valid + [f"{ACTOR}loss_agg_mode=seq-mean-token-sum-norm"])
-    with pytest.raises(driver.TrainerConfigError, match="loss_scale_factor"):
+@pytest.mark.parametrize("scale", [[], [f"{ACTOR}loss_scale_factor=512"]], ids=["no scale", "loss_scale_factor"])
+def test_seq_mean_token_sum_norm_is_refused_with_the_reason(valid, scale):
+    config = _compose(valid + [f"{ACTOR}loss_agg_mode=seq-mean-token-sum-norm"] + scale)
+    with pytest.raises(driver.TrainerConfigError, match=r"padded width.*neither is a per-token entropy.*loss_agg_mode=token-mean"):
         driver.check_trainer_config(config)
-    config = _compose(valid + [f"{ACTOR}loss_agg_mode=seq-mean-token-sum-norm", f"{ACTOR}loss_scale_factor=512"])
+
+
+def test_seq_mean_token_mean_is_accepted(valid):
+    config = _compose(valid + [f"{ACTOR}loss_agg_mode=seq-mean-token-mean"])
     assert driver.check_trainer_config(config) == "stare_global"
 
 

@@ -14,7 +14,7 @@ from verl_klcov_global.loss import LP_REG_PREFIX, lp_reg_objective, lp_reg_per_c
 
 from .engine.test_engine_lp_reg import _authors_pg_losses
 
-SETTINGS = SimpleNamespace(neg_ratio=0.05, pos_ratio=0.05, ppo_kl_coef=1.0, clip_ratio_low=1.0, clip_ratio_high=9.0,
+SETTINGS = SimpleNamespace(neg_ratio=0.05, pos_ratio=0.05, kl_coef=1.0, clip_ratio_low=1.0, clip_ratio_high=9.0,
                            clip_ratio_c=10.0)
 
 

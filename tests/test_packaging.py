@@ -93,7 +93,7 @@ def test_readme_knob_defaults_are_the_packaged_configs_and_verls():
                 "stare_adaptive": [str(stare.stare_adaptive).lower(), stare.stare_alpha, stare.stare_w_max,
                                    stare.stare_m_min],
                 "lp_reg_neg_ratio": [lp_reg.lp_reg_neg_ratio, int(lp_reg.lp_reg_pos_ratio)],
-                "lp_reg_min_p": [lp_reg.lp_reg_min_p, lp_reg.ppo_kl_coef],
+                "lp_reg_min_p": [lp_reg.lp_reg_min_p, lp_reg.lp_reg_kl_coef],
                 "prepass_layout": [kl.prepass_layout],
                 "entropy_target": ["null" if kl.entropy_target is None else kl.entropy_target],
                 "entropy_control_ki": [kl.entropy_control_ki, kl.entropy_control_kp],

@@ -168,9 +168,12 @@ DEFAULT_STARE_ALPHA = 0.01
 DEFAULT_STARE_W_MAX = 1.5
 DEFAULT_STARE_M_MIN = 0.5
 #: ``loss_agg_mode`` values whose driver-side ``actor/entropy`` is a per-token mean entropy, which STARE's gate
-#: compares with a per-token target; ``token-sum`` and ``seq-mean-token-sum`` make it a sum (refused), and
-#: ``seq-mean-token-sum-norm`` is a per-token figure only with a fixed ``actor.loss_scale_factor``.
-STARE_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+#: compares with a per-token target. ``token-sum`` and ``seq-mean-token-sum`` make it a sum (refused).
+#: ``seq-mean-token-sum-norm`` is refused too: the authors' fork (hp-luo/STARE@bffb9e7, core_algos.py:889-893) gates
+#: on the sum of the rows' entropy sums over the padded width, a figure that grows with the number of rows and is not
+#: a per-token entropy, while verl's ``actor/entropy`` there is the mean row sum over ``loss_scale_factor``: no figure
+#: the plugin could compute is both the authors' and a per-token entropy.
+STARE_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,11 @@ class StareGlobalSettings:
 DEFAULT_LP_REG_MIN_P = 0.02
 DEFAULT_LP_REG_NEG_RATIO = 0.01
 DEFAULT_LP_REG_POS_RATIO = 0.0
-#: the authors' scripts (recipe/lp_reg/*.sh): clip_ratio_low 1.0, clip_ratio_high 9.0 (ppo_kl_coef 1: verl's default)
+#: beta, the weight of the KL towards the proxy: the authors' scripts set ``ppo_kl_coef=1`` (Lp-Reg-dev@33b27e2,
+#: recipe/lp_reg/*.sh:66). It is a knob of its own, ``lp_reg_kl_coef``, not verl's ``ppo_kl_coef``: verl's
+#: ``actor.yaml`` writes ``ppo_kl_coef: 0.1`` into every ``policy_loss`` node it composes, so on the ``_target_``
+#: route an unset beta would be verl's 0.1, not the authors' 1.
+DEFAULT_LP_REG_KL_COEF = 1.0
 LP_REG_PROXY_FIELD = "lp_reg_proxy_log_probs"
 
 
@@ -213,13 +220,13 @@ class LpRegGlobalSettings:
     """Validated ``lp_reg_global`` settings (:func:`read_lp_reg_settings`).
 
     ``neg_ratio`` / ``pos_ratio``: rho- / rho+ (fractions of each advantage sign's valid tokens of the optimizer
-    minibatch); ``min_p``: kappa, the proxy's min-p threshold; ``ppo_kl_coef``: beta, the KL's weight on the
-    regularised tokens; the PPO clip knobs as verl ``vanilla`` reads them."""
+    minibatch); ``min_p``: kappa, the proxy's min-p threshold; ``kl_coef``: beta (``lp_reg_kl_coef``), the KL's
+    weight on the regularised tokens; the PPO clip knobs as verl ``vanilla`` reads them."""
 
     neg_ratio: float
     pos_ratio: float
     min_p: float
-    ppo_kl_coef: float
+    kl_coef: float
     clip_ratio_low: float
     clip_ratio_high: float
     clip_ratio_c: float
@@ -235,16 +242,47 @@ def validate_lp_reg_min_p(value: Any) -> float:
     return number
 
 
+def validate_lp_reg_kl_coef(value: Any) -> float:
+    """beta as float if it is a finite number >= 0, else ValueError."""
+    number = finite_number(value)
+    if number is None or number < 0:
+        raise ValueError(f"lp_reg_kl_coef must be finite and >= 0, got {value!r}: beta, the weight of the KL towards "
+                         "the proxy on the regularised tokens; " + setting("lp_reg_kl_coef", "1.0 (the authors' value)"))
+    return number
+
+
+def verl_ppo_kl_coef_default() -> float:
+    """verl's own ``ppo_kl_coef`` default (``PolicyLossConfig``'s field; verl's ``actor.yaml`` writes the same 0.1)."""
+    import dataclasses
+
+    return next(f.default for f in dataclasses.fields(PolicyLossConfig) if f.name == "ppo_kl_coef")
+
+
+def refuse_ppo_kl_coef_for_lp_reg(policy_loss: Any) -> None:
+    """ValueError when a ``policy_loss`` of ``lp_reg_global`` carries a ``ppo_kl_coef`` other than verl's default:
+    Lp-Reg does not read it (its beta is ``lp_reg_kl_coef``), so such a value is a beta the run would not get."""
+    coef = _field(policy_loss, "ppo_kl_coef", None)
+    default = verl_ppo_kl_coef_default()
+    if coef is not None and finite_number(coef) != default:
+        raise ValueError(
+            f"ppo_kl_coef={coef!r} is KL-Cov's coefficient, which lp_reg_global does not read: Lp-Reg's beta is "
+            f"lp_reg_kl_coef (default 1.0, the authors' value). Set {POLICY_LOSS_PREFIX}lp_reg_kl_coef={coef} "
+            f"instead, and leave {POLICY_LOSS_PREFIX}ppo_kl_coef at verl's {default:g}")
+
+
 def validate_lp_reg_knobs(policy_loss: Any) -> dict[str, float]:
-    """``lp_reg_neg_ratio``, ``lp_reg_pos_ratio``, ``lp_reg_min_p`` of a ``policy_loss``, validated (ValueError naming
-    the key); a set with both ratios 0 selects nothing and is refused."""
+    """``lp_reg_neg_ratio``, ``lp_reg_pos_ratio``, ``lp_reg_min_p``, ``lp_reg_kl_coef`` of a ``policy_loss``, validated
+    (ValueError naming the key); a set with both ratios 0 selects nothing and is refused, and so is a ``ppo_kl_coef``
+    other than verl's (:func:`refuse_ppo_kl_coef_for_lp_reg`)."""
     neg = validate_lp_reg_ratio(_field(policy_loss, "lp_reg_neg_ratio", DEFAULT_LP_REG_NEG_RATIO), "lp_reg_neg_ratio")
     pos = validate_lp_reg_ratio(_field(policy_loss, "lp_reg_pos_ratio", DEFAULT_LP_REG_POS_RATIO), "lp_reg_pos_ratio")
     if neg == 0.0 and pos == 0.0:
         raise ValueError("lp_reg_neg_ratio and lp_reg_pos_ratio are both 0: lp_reg_global would regularise no token "
                          "(verl's vanilla plus a prepass); " + setting("lp_reg_neg_ratio", "0.01 (the authors' value)"))
+    refuse_ppo_kl_coef_for_lp_reg(policy_loss)
     return {"neg_ratio": neg, "pos_ratio": pos,
-            "min_p": validate_lp_reg_min_p(_field(policy_loss, "lp_reg_min_p", DEFAULT_LP_REG_MIN_P))}
+            "min_p": validate_lp_reg_min_p(_field(policy_loss, "lp_reg_min_p", DEFAULT_LP_REG_MIN_P)),
+            "kl_coef": validate_lp_reg_kl_coef(_field(policy_loss, "lp_reg_kl_coef", DEFAULT_LP_REG_KL_COEF))}
 
 
 def read_lp_reg_settings(actor_config: Any) -> LpRegGlobalSettings:
@@ -262,7 +300,6 @@ def read_lp_reg_settings(actor_config: Any) -> LpRegGlobalSettings:
     low, high = (_field(actor_config, key, clip_ratio) for key in ("clip_ratio_low", "clip_ratio_high"))
     return LpRegGlobalSettings(
         **validate_lp_reg_knobs(policy_loss),
-        ppo_kl_coef=validate_ppo_kl_coef(_field(policy_loss, "ppo_kl_coef", _DEFAULT_COEF)),
         clip_ratio_low=validate_clip_ratio(low, "clip_ratio_low"),
         clip_ratio_high=validate_clip_ratio(high, "clip_ratio_high"),
         clip_ratio_c=validate_clip_ratio_c(_field(actor_config, "clip_ratio_c", _DEFAULT_CLIP_RATIO_C)),
@@ -457,18 +494,19 @@ def validate_stare_agg_mode(loss_agg_mode: Any, loss_scale_factor: Any) -> None:
     """STARE's gate compares the batch's mean entropy, verl's ``actor/entropy`` (aggregated with ``loss_agg_mode``),
     with a per-token target: refuse the modes where that figure is a sum (ValueError naming the key)."""
     key = "actor_rollout_ref.actor.loss_agg_mode"
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        raise ValueError(
+            "stare_global's gate compares the batch's mean entropy with stare_target_entropy, nats per token; with "
+            "loss_agg_mode='seq-mean-token-sum-norm' the authors' fork gates on the sum of the responses' entropy "
+            "sums over the padded width (it grows with the number of responses) and verl's actor/entropy on their "
+            "mean sum over loss_scale_factor: neither is a per-token entropy, so the paper's target would mean "
+            f"something else. Set {key}=token-mean (the authors') or seq-mean-token-mean")
     if loss_agg_mode not in STARE_AGG_MODES:
         raise ValueError(
             f"stare_global's gate compares the batch's mean entropy (verl's actor/entropy, aggregated with "
             f"loss_agg_mode) with stare_target_entropy, nats per token; with loss_agg_mode={loss_agg_mode!r} that "
             f"figure is a sum (nats x tokens), the gate would never open and STARE would silently be vanilla. Set "
-            f"{key}=token-mean (or seq-mean-token-mean; seq-mean-token-sum-norm with actor.loss_scale_factor)")
-    if loss_agg_mode == "seq-mean-token-sum-norm" and finite_number(loss_scale_factor) is None:
-        raise ValueError(
-            "stare_global with loss_agg_mode=seq-mean-token-sum-norm: verl's actor/entropy then divides each "
-            "response's entropy sum by actor.loss_scale_factor, or by the batch's padded width when it is null, "
-            "which the workers do not see. Set actor_rollout_ref.actor.loss_scale_factor (e.g. the maximum "
-            f"response length), or {key}=token-mean")
+            f"{key}=token-mean (the authors') or seq-mean-token-mean")
 
 
 def read_stare_settings(actor_config: Any) -> StareGlobalSettings:
@@ -644,19 +682,20 @@ class LpRegGlobalPolicyLossConfig(PolicyLossConfig):
 
     Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_klcov_global.config.LpRegGlobalPolicyLossConfig``.
     ``lp_reg_neg_ratio`` / ``lp_reg_pos_ratio``: rho- / rho+ (the authors' 0.01 / 0); ``lp_reg_min_p``: kappa, the
-    proxy's min-p threshold (0.02); beta is verl's own ``ppo_kl_coef``. No ``entropy_*`` knobs: the plugin's entropy
-    controller does not apply (docs/HOW_IT_WORKS.md, "Lp-Reg").
+    proxy's min-p threshold (0.02); ``lp_reg_kl_coef``: beta (1.0), the KL's weight (not verl's ``ppo_kl_coef``, which
+    verl's YAML sets to 0.1 on every route; a ``ppo_kl_coef`` other than that is refused). No ``entropy_*`` knobs:
+    the plugin's entropy controller does not apply (docs/HOW_IT_WORKS.md, "Lp-Reg").
     """
 
     loss_mode: str = "lp_reg_global"
     lp_reg_neg_ratio: float = DEFAULT_LP_REG_NEG_RATIO
     lp_reg_pos_ratio: float = DEFAULT_LP_REG_POS_RATIO
     lp_reg_min_p: float = DEFAULT_LP_REG_MIN_P
+    lp_reg_kl_coef: float = DEFAULT_LP_REG_KL_COEF
     prepass_layout: str = "infer"
 
     def __post_init__(self):
         _parent_post_init(self, LpRegGlobalPolicyLossConfig)
         _require_loss_mode(self)
         validate_lp_reg_knobs(self)
-        validate_ppo_kl_coef(self.ppo_kl_coef)
         validate_prepass_layout(self.prepass_layout)

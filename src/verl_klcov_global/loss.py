@@ -315,7 +315,7 @@ def lp_reg_objective(old_log_prob, log_prob, advantages, response_mask, mask, se
     ``mask`` (the prepass's quota), with ``proxy_log_prob`` = log pi_proxy of each token (pi_old's, min-p filtered).
 
     * A token of ``mask`` whose detached training log-prob is below the proxy's, ``log pi_theta < log pi_proxy``
-      (the authors' support test, on the training forward), is *regularised*: ``-A * r + ppo_kl_coef *
+      (the authors' support test, on the training forward), is *regularised*: ``-A * r + kl_coef *
       low_var_kl(log pi_theta, log pi_proxy)`` with ``r = exp(log pi_theta - log pi_old)`` unclipped and verl's
       ``kl_penalty(..., "low_var_kl")``, as the authors' code;
     * every other token keeps verl's ``vanilla`` dual-clip PPO surrogate (:func:`high_entropy_objective` with every
@@ -340,7 +340,7 @@ def lp_reg_objective(old_log_prob, log_prob, advantages, response_mask, mask, se
     target = torch.where(regularised, proxy_log_prob.to(log_prob.dtype), detached)
     kl = kl_penalty(log_prob, target, "low_var_kl")
     ratio = torch.exp(torch.where(regularised, log_prob - old_log_prob, zero))
-    regularised_losses = -torch.where(regularised, advantages, zero) * ratio + settings.ppo_kl_coef * kl
+    regularised_losses = -torch.where(regularised, advantages, zero) * ratio + settings.kl_coef * kl
     pg_losses = torch.where(regularised, regularised_losses, pg_losses)
     tallies = {
         "regularised": float(regularised.sum()),

@@ -369,8 +369,8 @@ def _select_lp_reg(fields: MinibatchFields, settings, group) -> Selection:
 
 LP_REG = register_mode(ModeSpec(
     name="lp_reg_global", upstream="lp_reg_per_micro_batch", metric_prefix="actor/lp_reg/",
-    knobs=("lp_reg_neg_ratio", "lp_reg_pos_ratio", "lp_reg_min_p", "ppo_kl_coef", "prepass_layout"),
-    plugin_knobs=("lp_reg_neg_ratio", "lp_reg_pos_ratio", "lp_reg_min_p", "prepass_layout"),
+    knobs=("lp_reg_neg_ratio", "lp_reg_pos_ratio", "lp_reg_min_p", "lp_reg_kl_coef", "prepass_layout"),
+    plugin_knobs=("lp_reg_neg_ratio", "lp_reg_pos_ratio", "lp_reg_min_p", "lp_reg_kl_coef", "prepass_layout"),
     read_settings=read_lp_reg_settings, response_fields=("advantages",), select=_select_lp_reg,
     objective=lp_reg_objective, no_mask_error=LpRegMaskUnavailableError, config_class=LpRegGlobalPolicyLossConfig,
     # Huang et al. 2025 (arXiv:2510.03222), recipe/lp_reg/*.sh: rho- 0.01 (0.005 for Qwen2.5-32B)

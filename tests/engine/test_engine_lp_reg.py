@@ -202,7 +202,7 @@ def test_one_micro_batch_gives_the_authors_loss(peaked_model_path, monkeypatch):
     config = inputs["config"]
     theirs = _authors_pg_losses(inputs["old_log_prob"], inputs["log_prob"], proxy, inputs["advantages"],
                                 inputs["response_mask"], neg=LP_REG_KNOBS["lp_reg_neg_ratio"],
-                                pos=LP_REG_KNOBS["lp_reg_pos_ratio"], coef=config.policy_loss.ppo_kl_coef,
+                                pos=LP_REG_KNOBS["lp_reg_pos_ratio"], coef=config.policy_loss.lp_reg_kl_coef,
                                 low=config.clip_ratio_low, high=config.clip_ratio_high)
     expected = agg_loss(loss_mat=theirs, loss_mask=inputs["response_mask"], loss_agg_mode="token-mean",
                         **config.global_batch_info)

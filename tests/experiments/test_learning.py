@@ -239,7 +239,8 @@ def test_the_lp_reg_rows_are_configured(tmp_path):
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
     loss = actor.policy_loss
     assert type(loss).__name__ == "LpRegGlobalPolicyLossConfig" and loss.loss_mode == LP_REG
-    assert {key: getattr(loss, key) for key in LP_REG_KNOBS} == LP_REG_KNOBS and loss.ppo_kl_coef == BASE.ppo_kl_coef
+    assert {key: getattr(loss, key) for key in LP_REG_KNOBS} == LP_REG_KNOBS and loss.lp_reg_kl_coef == 1.0
+    assert loss.ppo_kl_coef == 0.1  # verl's: Lp-Reg's beta is its own knob, left at the authors' 1.0
     assert actor.ppo_micro_batch_size_per_gpu == 4 and config.algorithm.rollout_correction.bypass_mode is False
     from experiments.learning import config_fields
 

@@ -364,6 +364,7 @@ class LpRegPerMicroBatchPolicyLossConfig(PolicyLossConfig):
     lp_reg_neg_ratio: float = _config.DEFAULT_LP_REG_NEG_RATIO
     lp_reg_pos_ratio: float = _config.DEFAULT_LP_REG_POS_RATIO
     lp_reg_min_p: float = _config.DEFAULT_LP_REG_MIN_P
+    lp_reg_kl_coef: float = _config.DEFAULT_LP_REG_KL_COEF
 
     def __post_init__(self):
         parent = getattr(super(), "__post_init__", None)
