@@ -3,12 +3,14 @@
 #
 # Hyperparameters follow the published entropy-mechanism recipe for Qwen2.5-7B
 # (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
-# Language Models", arXiv:2505.22617; script recipe/entropy/7b_clip_cov.sh of verl, from
-# PRIME-RL/Entropy-Mechanism-of-RL), ported to verl 0.9.1's `python -m verl.trainer.main_ppo`
+# Language Models", arXiv:2505.22617) as verl shipped it: script recipe/entropy/7b_clip_cov.sh of
+# volcengine/verl@246cac4, ported to verl 0.9.1's `python -m verl.trainer.main_ppo`
 # with only the loss mode changed:
 #   loss_mode clip_cov -> clip_cov_global (this plugin), plus its seed.
 # Each value's source is noted [recipe] (from that script), [verl] (verl's own default for
 # the key) or [ours].
+# The authors' own copy, PRIME-RL/Entropy-Mechanism-of-RL@8850579 recipe/dapo/7b_clip_cov.sh, differs in
+# optim.lr 5e-7 (here 1e-6) and the per-GPU token budget 20480 (here 30720).
 #
 # clip_cov_seed keeps the plugin's default 0 [ours]: verl's ppo_trainer.yaml has no such key and Hydra
 # refuses new keys, so to change it compose the plugin's config instead

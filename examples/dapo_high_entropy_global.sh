@@ -5,9 +5,9 @@
 # Hyperparameters follow the authors' script for Qwen3-14B (Wang et al. 2025, "Beyond the 80/20
 # Rule: High-Entropy Minority Tokens Drive Effective Reinforcement Learning for LLM Reasoning",
 # arXiv:2506.01939; script recipe/rlvr_with_high_entropy_tokens_only/
-# run_only_top20_high_entropy_tokens_dapo_qwen3_14b.sh of Shenzhi-Wang/Beyond-the-80-20-Rule-RLVR,
+# run_only_top20_high_entropy_tokens_dapo_qwen3_14b.sh of Shenzhi-Wang/Beyond-the-80-20-Rule-RLVR@6f5dda6,
 # a verl fork), ported to verl 0.9.1's `python -m verl.trainer.main_ppo` with only the selection changed:
-#   actor_rollout_ref.model.entropy_top_ratio=0.2 (their fork: a top-k per training micro-batch)
+#   actor_rollout_ref.actor.entropy_top_ratio=0.2 (their fork: a top-k per training micro-batch)
 #   -> policy_loss.loss_mode=high_entropy_global, policy_loss.entropy_top_ratio=0.2 (this plugin:
 #      the top 20% of the optimizer minibatch over all DP ranks, the paper's 1/sum|o| normaliser).
 # Each value's source is noted [recipe] (from that script), [paper] (rho = 0.2 for 14B and 32B)

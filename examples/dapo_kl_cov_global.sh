@@ -3,12 +3,15 @@
 #
 # Hyperparameters follow the published entropy-mechanism recipe for Qwen2.5-7B
 # (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
-# Language Models", arXiv:2505.22617; script recipe/entropy/7b_kl_cov.sh of
-# PRIME-RL/Entropy-Mechanism-of-RL, also shipped in verl's recipe/entropy/), ported to
+# Language Models", arXiv:2505.22617) as verl shipped it: script recipe/entropy/7b_kl_cov.sh of
+# volcengine/verl@246cac4 (the last commit before verl moved its recipes out), ported to
 # verl 0.9.1's `python -m verl.trainer.main_ppo` with only the loss mode changed:
 #   loss_mode kl_cov -> kl_cov_global (this plugin).
 # Each value's source is noted [recipe] (from that script), [paper] (its Table/Sec. on
 # KL-Cov: kl_cov_ratio 2e-3 at 7B, 2e-4 at 32B, ppo_kl_coef 1) or [ours].
+# The authors' own copy, PRIME-RL/Entropy-Mechanism-of-RL@8850579 recipe/dapo/7b_kl_cov.sh, differs in
+# three values: optim.lr 5e-7 (here 1e-6), gen batch 1x (3x) and total_epochs 15 (1000); its knob
+# k_percent=0.2 is a percentage (= kl_cov_ratio 0.002). Set actor_rollout_ref.actor.optim.lr=5e-7 for theirs.
 #
 # Left out, on purpose: the recipe's DAPO dynamic sampling (algorithm.filter_groups,
 # gen_batch_size = 3 x train batch) and its `dapo` reward manager with overlong buffer
