@@ -14,11 +14,12 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: Bottom first; a module may import modules of its own layer or of layers below it.
 LAYERS = [
-    ["selection", "seams", "layout", "install_hint", "configs", "quiet_start", "entropy_control", "stare_control"],
+    ["selection", "seams", "layout", "install_hint", "configs", "quiet_start", "entropy_control", "stare_control",
+     "knob_doc"],
     ["config"],
     ["loss"],
     ["modes"],
-    ["guardrails"],
+    ["guardrails", "knob_table"],
     ["driver", "engine.logprobs", "engine.control", "engine.proxy", "engine.reuse", "engine.old_policy", "engine.batch_entropy",
      "engine.schedule"],
     ["engine.prepass"],

@@ -53,7 +53,8 @@ from typing import Any, ClassVar, Optional
 
 from verl.workers.config.actor import PolicyLossConfig
 
-from .entropy_control import DEFAULT_WINDOW, EntropyControlSettings, validate_entropy_control
+from .entropy_control import CONTROL_KNOBS, DEFAULT_WINDOW, EntropyControlSettings, validate_entropy_control
+from .knob_doc import KnobDoc, knob
 from .selection import (
     validate_clip_cov_ratio,
     validate_clip_cov_seed,
@@ -289,9 +290,7 @@ def read_lp_reg_settings(actor_config: Any) -> LpRegGlobalSettings:
     """Validated :class:`LpRegGlobalSettings` from an actor config (its ``policy_loss``; the PPO clip knobs read as
     verl ``vanilla`` reads them). The plugin's entropy controller does not apply (its keys are refused)."""
     policy_loss = _policy_loss_of(actor_config, "lp_reg_global")
-    controller = [key for key in ("entropy_target", "entropy_control_kp", "entropy_control_ki",
-                                  "entropy_control_min_ratio", "entropy_control_max_ratio", "entropy_control_horizon",
-                                  "entropy_control_window") if _field(policy_loss, key, None) is not None]
+    controller = controller_knobs_set(policy_loss)
     if controller:
         raise ValueError(
             f"{controller[0]} is a knob of the plugin's entropy controller, which lp_reg_global does not have (it has "
@@ -334,6 +333,12 @@ def validate_prepass_layout(layout: Any) -> str:
             "select from the old policy's statistics, docs/PREPASS.md)"
         )
     return layout
+
+
+def controller_knobs_set(policy_loss: Any) -> list[str]:
+    """The entropy controller's keys (:data:`.entropy_control.CONTROL_KNOBS`) that ``policy_loss`` sets: refused by a
+    mode without a controller."""
+    return [key for key in CONTROL_KNOBS if _field(policy_loss, key, None) is not None]
 
 
 def _field(policy_loss: Any, name: str, default: Any) -> Any:
@@ -513,9 +518,7 @@ def read_stare_settings(actor_config: Any) -> StareGlobalSettings:
     """Validated :class:`StareGlobalSettings` from an actor config (its ``policy_loss``, PPO clip knobs read as verl
     ``vanilla`` reads them, and ``loss_agg_mode`` / ``loss_scale_factor``, which the gate's entropy follows)."""
     policy_loss = _policy_loss_of(actor_config, "stare_global")
-    controller = [key for key in ("entropy_target", "entropy_control_kp", "entropy_control_ki",
-                                  "entropy_control_min_ratio", "entropy_control_max_ratio", "entropy_control_horizon",
-                                  "entropy_control_window") if _field(policy_loss, key, None) is not None]
+    controller = controller_knobs_set(policy_loss)
     if controller:
         raise ValueError(
             f"{controller[0]} is a knob of the plugin's entropy controller, which stare_global does not have: STARE "
@@ -558,9 +561,25 @@ def _parent_post_init(config: PolicyLossConfig, cls: type) -> None:
         parent_post_init()
 
 
+_RATIO_OF_MINIBATCH = "of the minibatch's valid response tokens (all DP ranks)"
+
+
 @dataclass
-class GlobalModePolicyLossConfig(PolicyLossConfig):
-    """The knobs every global mode carries, defined once: ``prepass_layout`` and the entropy controller's seven.
+class PrepassPolicyLossConfig(PolicyLossConfig):
+    """The knob every global mode carries, defined once: ``prepass_layout``. Not selected itself (its ``loss_mode``
+    is verl's): each mode's class derives from it, or from :class:`GlobalModePolicyLossConfig`."""
+
+    prepass_layout: str = knob(
+        "infer", valid="`infer`, `train`, `old`",
+        help="prepass micro-batching: `infer` (the log-prob inference settings) or `train` (the training ones); "
+             "`old` (opt-in): no prepass, every step selects from π_old's statistics, not the current policy's "
+             "([PREPASS](docs/PREPASS.md#prepass_layoutold-the-old-policys-statistics-no-prepass))")
+
+
+@dataclass
+class GlobalModePolicyLossConfig(PrepassPolicyLossConfig):
+    """The knobs every mode with an entropy controller carries, defined once: ``prepass_layout`` and the
+    controller's seven.
 
     Not selected itself (its ``loss_mode`` is verl's): each mode's class derives from it, sets its own ``loss_mode``
     and, where the controlled ratio's bounds differ from KL-Cov's and Clip-Cov's, the two bound defaults and
@@ -571,14 +590,25 @@ class GlobalModePolicyLossConfig(PolicyLossConfig):
     #: validation; a subclass that changes one changes both)
     CONTROL_BOUNDS: ClassVar[tuple[float, float]] = DEFAULT_COV_CONTROL_BOUNDS
 
-    prepass_layout: str = "infer"
-    entropy_target: Optional[float] = None
-    entropy_control_ki: float = DEFAULT_ENTROPY_CONTROL_KI
-    entropy_control_kp: float = DEFAULT_ENTROPY_CONTROL_KP
-    entropy_control_min_ratio: float = DEFAULT_COV_CONTROL_BOUNDS[0]
-    entropy_control_max_ratio: float = DEFAULT_COV_CONTROL_BOUNDS[1]
-    entropy_control_horizon: float = DEFAULT_ENTROPY_CONTROL_HORIZON
-    entropy_control_window: int = DEFAULT_ENTROPY_CONTROL_WINDOW
+    entropy_target: Optional[float] = knob(
+        None, controller=True, valid="finite, > 0, < ln(vocab)", default_note=" (off)",
+        help="entropy controller: holds the minibatches' mean entropy here by moving the mode's ratio knob "
+             "([HOW_IT_WORKS](docs/HOW_IT_WORKS.md#entropy-on-target-the-controller))")
+    entropy_control_ki: float = knob(
+        DEFAULT_ENTROPY_CONTROL_KI, controller=True, row="gains", valid="finite, >= 0, not both 0",
+        help="the controller's integral and proportional gains (per optimizer step, in ln(ratio))")
+    entropy_control_kp: float = knob(DEFAULT_ENTROPY_CONTROL_KP, controller=True, row="gains", help="", valid="")
+    entropy_control_min_ratio: float = knob(
+        DEFAULT_COV_CONTROL_BOUNDS[0], controller=True, row="bounds", valid="0 < min < max <= 1",
+        help="bounds of the controlled ratio")
+    entropy_control_max_ratio: float = knob(DEFAULT_COV_CONTROL_BOUNDS[1], controller=True, row="bounds", help="",
+                                            valid="")
+    entropy_control_horizon: float = knob(
+        DEFAULT_ENTROPY_CONTROL_HORIZON, controller=True, row="horizon", valid="finite >= 0; whole >= 1",
+        help="the controller's error reads the entropy extrapolated `horizon` optimizer steps ahead along its trend "
+             "over `window` steps (0: the measured entropy)")
+    entropy_control_window: int = knob(DEFAULT_ENTROPY_CONTROL_WINDOW, controller=True, row="horizon", help="",
+                                       valid="")
 
     def validate_common_knobs(self) -> None:
         """``prepass_layout`` and the controller's knobs (ValueError naming the key, as the driver's check)."""
@@ -594,6 +624,11 @@ class KLCovGlobalPolicyLossConfig(GlobalModePolicyLossConfig):
     Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_klcov_global.config.KLCovGlobalPolicyLossConfig``.
     """
 
+    VERL_KNOBS: ClassVar[dict[str, KnobDoc]] = {
+        "kl_cov_ratio": KnobDoc(f"fraction {_RATIO_OF_MINIBATCH} that get the penalty", "finite, (0, 1]"),
+        "ppo_kl_coef": KnobDoc("coefficient of `\\|log π − log π_old\\|` on the selected tokens", "finite, >= 0",
+                               default_note="; 1.0 in `kl_cov_global.yaml` (the paper's)"),
+    }
     loss_mode: str = "kl_cov_global"
 
     def __post_init__(self):
@@ -613,8 +648,14 @@ class ClipCovGlobalPolicyLossConfig(GlobalModePolicyLossConfig):
     ``clip_cov_ratio``, ``clip_cov_lb``, ``clip_cov_ub`` are verl's own fields (defaults 0.0002, 1.0, 5.0).
     """
 
+    VERL_KNOBS: ClassVar[dict[str, KnobDoc]] = {
+        "clip_cov_ratio": KnobDoc("at most this fraction of valid tokens get their gradient cut", "finite, (0, 1]"),
+        "clip_cov_lb": KnobDoc("candidates: tokens with lb < cov < ub", "finite, lb < ub", row="window"),
+        "clip_cov_ub": KnobDoc("", "", row="window"),
+    }
     loss_mode: str = "clip_cov_global"
-    clip_cov_seed: int = DEFAULT_CLIP_COV_SEED
+    clip_cov_seed: int = knob(DEFAULT_CLIP_COV_SEED, valid="integer in [0, 2^53)",
+                              help="seed of the reproducible draw among the candidates")
 
     def __post_init__(self):
         _parent_post_init(self, ClipCovGlobalPolicyLossConfig)
@@ -637,9 +678,13 @@ class HighEntropyGlobalPolicyLossConfig(GlobalModePolicyLossConfig):
     CONTROL_BOUNDS: ClassVar[tuple[float, float]] = DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS
 
     loss_mode: str = "high_entropy_global"
-    entropy_top_ratio: float = DEFAULT_ENTROPY_TOP_RATIO
-    entropy_control_min_ratio: float = DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS[0]
-    entropy_control_max_ratio: float = DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS[1]
+    entropy_top_ratio: float = knob(
+        DEFAULT_ENTROPY_TOP_RATIO, valid="finite, (0, 1]", default_note=" (the paper's, 14B and 32B)",
+        help=f"ρ: fraction {_RATIO_OF_MINIBATCH} that keep the PPO-clip loss, by current-policy entropy")
+    entropy_control_min_ratio: float = knob(DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS[0], controller=True, row="bounds",
+                                            help="bounds of the controlled ratio", valid="0 < min < max <= 1")
+    entropy_control_max_ratio: float = knob(DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS[1], controller=True, row="bounds",
+                                            help="", valid="")
 
     def __post_init__(self):
         _parent_post_init(self, HighEntropyGlobalPolicyLossConfig)
@@ -649,7 +694,7 @@ class HighEntropyGlobalPolicyLossConfig(GlobalModePolicyLossConfig):
 
 
 @dataclass
-class StareGlobalPolicyLossConfig(PolicyLossConfig):
+class StareGlobalPolicyLossConfig(PrepassPolicyLossConfig):
     """verl's ``PolicyLossConfig`` plus STARE's knobs and ``prepass_layout``, validated on construction.
 
     Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_klcov_global.config.StareGlobalPolicyLossConfig``.
@@ -658,16 +703,25 @@ class StareGlobalPolicyLossConfig(PolicyLossConfig):
     """
 
     loss_mode: str = "stare_global"
-    stare_top_ratio: float = DEFAULT_STARE_TOP_RATIO
-    stare_reweight_w: float = DEFAULT_STARE_REWEIGHT_W
-    stare_reweight_m: float = DEFAULT_STARE_REWEIGHT_M
-    stare_variant: str = DEFAULT_STARE_VARIANT
-    stare_target_entropy: float = DEFAULT_STARE_TARGET_ENTROPY
-    stare_adaptive: bool = False
-    stare_alpha: float = DEFAULT_STARE_ALPHA
-    stare_w_max: float = DEFAULT_STARE_W_MAX
-    stare_m_min: float = DEFAULT_STARE_M_MIN
-    prepass_layout: str = "infer"
+    stare_top_ratio: float = knob(
+        DEFAULT_STARE_TOP_RATIO, valid="finite, [0, 1]", default_note=" (the paper's)",
+        help="P: fraction of the minibatch's valid A > 0 tokens (and A < 0 ones), all DP ranks, reweighted: the most "
+             "surprising (−log π)")
+    stare_reweight_w: float = knob(
+        DEFAULT_STARE_REWEIGHT_W, row="weights", valid="W >= 1; M in (0, 1]; `O1`/`C2`",
+        help="`O1`: those A > 0 tokens' loss × W; `C2`: also those A < 0 tokens' × M")
+    stare_reweight_m: float = knob(DEFAULT_STARE_REWEIGHT_M, row="weights", help="", valid="")
+    stare_variant: str = knob(DEFAULT_STARE_VARIANT, row="weights", help="", valid="")
+    stare_target_entropy: float = knob(
+        DEFAULT_STARE_TARGET_ENTROPY, valid="finite",
+        help="gate: W and M apply while the trainer step's batch entropy (verl's `actor/entropy`) is below it "
+             "([HOW_IT_WORKS](docs/HOW_IT_WORKS.md#stare-stare_global))")
+    stare_adaptive: bool = knob(
+        False, row="schedule", valid="bool; α >= 0; on: W <= w_max, M >= m_min",
+        help="schedule, per trainer step: W ± α within [1, w_max], M ∓ α within [m_min, 1]")
+    stare_alpha: float = knob(DEFAULT_STARE_ALPHA, row="schedule", help="", valid="")
+    stare_w_max: float = knob(DEFAULT_STARE_W_MAX, row="schedule", help="", valid="")
+    stare_m_min: float = knob(DEFAULT_STARE_M_MIN, row="schedule", help="", valid="")
 
     def __post_init__(self):
         _parent_post_init(self, StareGlobalPolicyLossConfig)
@@ -677,7 +731,7 @@ class StareGlobalPolicyLossConfig(PolicyLossConfig):
 
 
 @dataclass
-class LpRegGlobalPolicyLossConfig(PolicyLossConfig):
+class LpRegGlobalPolicyLossConfig(PrepassPolicyLossConfig):
     """verl's ``PolicyLossConfig`` plus Lp-Reg's knobs and ``prepass_layout``, validated on construction.
 
     Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_klcov_global.config.LpRegGlobalPolicyLossConfig``.
@@ -688,11 +742,16 @@ class LpRegGlobalPolicyLossConfig(PolicyLossConfig):
     """
 
     loss_mode: str = "lp_reg_global"
-    lp_reg_neg_ratio: float = DEFAULT_LP_REG_NEG_RATIO
-    lp_reg_pos_ratio: float = DEFAULT_LP_REG_POS_RATIO
-    lp_reg_min_p: float = DEFAULT_LP_REG_MIN_P
-    lp_reg_kl_coef: float = DEFAULT_LP_REG_KL_COEF
-    prepass_layout: str = "infer"
+    lp_reg_neg_ratio: float = knob(
+        DEFAULT_LP_REG_NEG_RATIO, row="ratios", valid="finite, [0, 1], not both 0", default_note=" (the authors')",
+        help="ρ−, ρ+: fraction of the minibatch's valid A < 0 (A > 0) tokens, all DP ranks, with the lowest log π: "
+             "regularised where log π < log π_proxy")
+    lp_reg_pos_ratio: float = knob(DEFAULT_LP_REG_POS_RATIO, row="ratios", help="", valid="")
+    lp_reg_min_p: float = knob(
+        DEFAULT_LP_REG_MIN_P, row="proxy", valid="κ in [0, 1); β >= 0", default_note=" (the authors')",
+        help="κ: the proxy keeps π_old's tokens with p >= κ·max p; β: weight of the KL to it (not verl's "
+             "`ppo_kl_coef`, which must stay 0.1; [HOW_IT_WORKS](docs/HOW_IT_WORKS.md#lp-reg-lp_reg_global))")
+    lp_reg_kl_coef: float = knob(DEFAULT_LP_REG_KL_COEF, row="proxy", help="", valid="")
 
     def __post_init__(self):
         _parent_post_init(self, LpRegGlobalPolicyLossConfig)

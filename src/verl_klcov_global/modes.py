@@ -40,6 +40,7 @@ from .config import (
     read_lp_reg_settings,
     read_stare_settings,
 )
+from .knob_doc import knob_names
 from .layout import MinibatchFields, read_fields
 from .loss import (
     ClipCovMaskUnavailableError,
@@ -104,7 +105,9 @@ class ModeSpec:
       it to users only when it is in verl's registry); None if there is none;
     * ``metric_prefix``: every metric of the mode is ``<metric_prefix><name>``;
     * ``knobs``: the ``policy_loss`` keys the mode reads (``plugin_knobs``: those only its
-      ``config_class`` has, not verl's ``PolicyLossConfig``); ``read_settings(actor_config)``
+      ``config_class`` has, not verl's ``PolicyLossConfig``); left empty, both are derived from ``config_class``
+      (:func:`.knob_doc.knob_names`: its ``VERL_KNOBS`` and its fields declared with
+      :func:`.knob_doc.knob`, the entropy controller's apart); ``read_settings(actor_config)``
       validates them and returns the settings (with ``prepass_layout``), raising ``ValueError``
       that names the key to change;
     * ``response_fields`` / ``sequence_fields``: the minibatch fields ``select`` reads;
@@ -150,15 +153,15 @@ class ModeSpec:
     name: str
     upstream: Optional[str]
     metric_prefix: str
-    knobs: tuple[str, ...]
     read_settings: Callable[[Any], Any]
     response_fields: tuple[str, ...]
     select: SelectFn
     objective: Objective
+    knobs: tuple[str, ...] = ()
     no_mask_error: type[SelectionMaskUnavailableError] = SelectionMaskUnavailableError
     sequence_fields: tuple[str, ...] = ()
     config_class: Optional[type] = None
-    plugin_knobs: tuple[str, ...] = ("prepass_layout",)
+    plugin_knobs: tuple[str, ...] = ()
     count_upstream_selected: Optional[Callable[[int, Any, dict], int]] = None
     draws_at_random: bool = False
     diagnose_train_layout: bool = False
@@ -180,6 +183,12 @@ class ModeSpec:
         return f"ModeSpec({self.name!r})"
 
     def __post_init__(self):
+        if self.config_class is not None and not self.knobs:  # derived from the class: each knob written once there
+            object.__setattr__(self, "knobs", knob_names(self.config_class))
+            object.__setattr__(self, "plugin_knobs", self.plugin_knobs or tuple(
+                name for name in self.knobs if name not in getattr(self.config_class, "VERL_KNOBS", {})))
+        elif not self.plugin_knobs:
+            object.__setattr__(self, "plugin_knobs", ("prepass_layout",))
         if self.config_class is not None and getattr(self.config_class, "loss_mode", None) != self.name:
             raise ValueError(f"{self.config_class.__name__}.loss_mode must default to {self.name!r}")
         if self.entropy_sign not in (-1, 0, 1) or (self.entropy_sign and self.ratio_knob is None):
@@ -315,7 +324,7 @@ def _count_clip_cov(num_valid: int, policy_loss, metrics: dict) -> int:
 
 KL_COV = register_mode(ModeSpec(
     name="kl_cov_global", upstream="kl_cov", metric_prefix="actor/kl_cov/",
-    knobs=("kl_cov_ratio", "ppo_kl_coef", "prepass_layout"), read_settings=read_kl_cov_settings,
+    read_settings=read_kl_cov_settings,
     response_fields=("advantages",), select=_select_kl_cov, objective=kl_cov_objective,
     no_mask_error=KLCovMaskUnavailableError, config_class=KLCovGlobalPolicyLossConfig,
     count_upstream_selected=_count_kl_cov, diagnose_train_layout=True,
@@ -325,8 +334,7 @@ KL_COV = register_mode(ModeSpec(
 ))
 CLIP_COV = register_mode(ModeSpec(
     name="clip_cov_global", upstream="clip_cov", metric_prefix="actor/clip_cov/",
-    knobs=("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "clip_cov_seed", "prepass_layout"),
-    plugin_knobs=("clip_cov_seed", "prepass_layout"), read_settings=read_clip_cov_settings,
+    read_settings=read_clip_cov_settings,
     response_fields=("advantages", "old_log_probs"), sequence_fields=("input_ids",), select=_select_clip_cov,
     objective=clip_cov_objective, no_mask_error=ClipCovMaskUnavailableError,
     config_class=ClipCovGlobalPolicyLossConfig, count_upstream_selected=_count_clip_cov, draws_at_random=True,
@@ -335,7 +343,6 @@ CLIP_COV = register_mode(ModeSpec(
 ))
 HIGH_ENTROPY = register_mode(ModeSpec(
     name="high_entropy_global", upstream="high_entropy_per_micro_batch", metric_prefix="actor/high_entropy/",
-    knobs=("entropy_top_ratio", "prepass_layout"), plugin_knobs=("entropy_top_ratio", "prepass_layout"),
     read_settings=read_high_entropy_settings, response_fields=(), select=_select_high_entropy,
     objective=high_entropy_objective, no_mask_error=HighEntropyMaskUnavailableError,
     config_class=HighEntropyGlobalPolicyLossConfig, prepass_reads_entropy=True,
@@ -347,10 +354,6 @@ HIGH_ENTROPY = register_mode(ModeSpec(
 ))
 STARE = register_mode(ModeSpec(
     name="stare_global", upstream="stare_per_micro_batch", metric_prefix="actor/stare/",
-    knobs=("stare_top_ratio", "stare_reweight_w", "stare_reweight_m", "stare_variant", "stare_target_entropy",
-           "stare_adaptive", "stare_alpha", "stare_w_max", "stare_m_min", "prepass_layout"),
-    plugin_knobs=("stare_top_ratio", "stare_reweight_w", "stare_reweight_m", "stare_variant", "stare_target_entropy",
-                  "stare_adaptive", "stare_alpha", "stare_w_max", "stare_m_min", "prepass_layout"),
     read_settings=read_stare_settings, response_fields=("advantages",), select=_select_stare,
     objective=stare_objective, no_mask_error=StareMaskUnavailableError, config_class=StareGlobalPolicyLossConfig,
     # Luo et al. 2026 (arXiv:2606.19236): the 10% most surprising tokens of each advantage sign
@@ -369,8 +372,6 @@ def _select_lp_reg(fields: MinibatchFields, settings, group) -> Selection:
 
 LP_REG = register_mode(ModeSpec(
     name="lp_reg_global", upstream="lp_reg_per_micro_batch", metric_prefix="actor/lp_reg/",
-    knobs=("lp_reg_neg_ratio", "lp_reg_pos_ratio", "lp_reg_min_p", "lp_reg_kl_coef", "prepass_layout"),
-    plugin_knobs=("lp_reg_neg_ratio", "lp_reg_pos_ratio", "lp_reg_min_p", "lp_reg_kl_coef", "prepass_layout"),
     read_settings=read_lp_reg_settings, response_fields=("advantages",), select=_select_lp_reg,
     objective=lp_reg_objective, no_mask_error=LpRegMaskUnavailableError, config_class=LpRegGlobalPolicyLossConfig,
     # Huang et al. 2025 (arXiv:2510.03222), recipe/lp_reg/*.sh: rho- 0.01 (0.005 for Qwen2.5-32B)

@@ -1,5 +1,4 @@
-"""The plugin's Hydra configs, shipped in the wheel: ``kl_cov_global.yaml``, ``clip_cov_global.yaml``,
-``high_entropy_global.yaml``, ``stare_global.yaml`` and ``lp_reg_global.yaml``.
+"""The plugin's Hydra configs, shipped in the wheel: one ``<mode>.yaml`` per mode of the table.
 
 Each is verl's ``ppo_trainer`` config with the policy loss switched to the plugin's mode. Once the
 package is installed, ``hydra_plugins.verl_klcov_global_searchpath`` puts this folder on every Hydra
@@ -13,5 +12,5 @@ import os
 
 #: This folder: the one copy of the plugin's configs.
 CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
-#: The config names it holds.
-CONFIG_NAMES = ("kl_cov_global", "clip_cov_global", "high_entropy_global", "stare_global", "lp_reg_global")
+#: The config names it holds (its YAML files; tests/test_packaging.py checks one per mode of the table).
+CONFIG_NAMES = tuple(sorted(name[:-len(".yaml")] for name in os.listdir(CONFIG_DIR) if name.endswith(".yaml")))
