@@ -28,8 +28,10 @@ def test_short_real_run_reports_invariance_and_writes_json(tmp_path):
     assert "OK: kl_cov_global is INVARIANT" in proc.stdout and "OK: clip_cov_global is INVARIANT" in proc.stdout
     assert "OK: high_entropy_global is INVARIANT" in proc.stdout and "OK: stare_global is INVARIANT" in proc.stdout
     assert "OK: lp_reg_global is INVARIANT" in proc.stdout
-    # 12 modes x 2 layouts + the two Clip-Cov modes run once more; stare_global's rows come last
-    assert "[block 1/1] update 26/26: stare_global / 4 micro-batches" in proc.stderr  # progress
+    # 12 modes x 2 layouts + the two Clip-Cov modes run once more, then the peaked policy's control x 2 layouts:
+    # the Lp-Reg rows run last, on the peaked policy
+    assert "[block 1/1] update 22/28: stare_global / 4 micro-batches" in proc.stderr  # progress
+    assert "[block 1/1] update 28/28: lp_reg_global / 4 micro-batches" in proc.stderr
     report = json.loads(out.read_text())
     assert report["modes"]["kl_cov_global[prepass=train]"]["selected_per_layout"] == [[1, 1]]
     assert report["invariant"] is True
@@ -40,6 +42,12 @@ def test_short_real_run_reports_invariance_and_writes_json(tmp_path):
     assert set(report["verdicts"]) == {"kl_cov_global", "clip_cov_global", "high_entropy_global", "stare_global",
                                        "lp_reg_global"}
     assert report["modes"]["stare_per_micro_batch"]["ratio_to_control"][0] > 10  # the authors' per-call STARE
+    assert list(report["modes"])[-3:] == ["vanilla[policy=peaked]", "lp_reg_per_micro_batch", "lp_reg_global"]
+    assert report["controls"] == {"vanilla[policy=peaked]": "vanilla[policy=peaked]",
+                                  "lp_reg_per_micro_batch": "vanilla[policy=peaked]",
+                                  "lp_reg_global": "vanilla[policy=peaked]"}
+    lp_reg = report["modes"]["lp_reg_global"]
+    assert lp_reg["masks_identical"] is True and lp_reg["ratio_to_control"][0] <= 10
     # 16 x 32 = 512 valid tokens: ours keeps exactly int(512 * 0.2) = 102 whatever the layout; the authors'
     # per-micro-batch rule (the lab's comparator) takes its threshold in each of the 4 micro-batches
     high = report["modes"]["high_entropy_global"]

@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "embedded tiny Qwen2 built locally)")
     add("--responses", choices=["auto", "sampled", "random"],
         help="the minibatch's tokens: sampled from the model (chat template, built-in arithmetic prompts, stopped "
-             "at EOS), random ids, or auto (the default: sampled when the model has a chat template)")
+             "at EOS), random ids, or auto (the default: sampled when the model has a chat template; with the "
+             "embedded tiny model, random ids, and the Lp-Reg rows run on its peaked copy and responses sampled "
+             "from it, docs/DIAGNOSE.md)")
     add("--samples-per-prompt", type=int, help="sampled responses per prompt, the GRPO group (default 4)")
     add("--temperature", type=float, help="sampling temperature of sampled responses (default 1.0)")
     add("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")

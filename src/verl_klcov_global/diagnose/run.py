@@ -13,6 +13,11 @@ state (as a later step of a run finds them): upstream ``clip_cov`` draws with an
 ``torch.randperm``, so the two updates differ; ``clip_cov_global`` must not.
 The report is invariant only when every global mode it ran is.
 
+On the embedded tiny model (``--responses auto``), the rows of a mode that reads a min-p proxy of pi_old (Lp-Reg and
+its comparator) run on the peaked policy (:func:`..lab.experiment.needs_peaked_policy`: the tiny model's LM head x8,
+responses sampled from it) with their own control ``vanilla[policy=peaked]``: the tiny model's near-uniform
+distribution keeps every token in the proxy, so nothing would be regularised and the comparison would prove nothing.
+
 The Clip-Cov window defaults to ``clip_cov_lb=0.3, clip_cov_ub=5, clip_cov_ratio=0.002``, not
 verl's 1 / 5 / 0.0002: on the embedded tiny model's random minibatches almost no covariance
 exceeds 1, so verl's window would leave nothing to select and the comparison would prove nothing.
@@ -81,7 +86,8 @@ class DiagnoseOptions:
     #: budget) instead of derived from ``micro_batches``, which then only names it
     micro_batch_size_per_gpu: Optional[int] = None
     max_token_len_per_gpu: Optional[int] = None
-    #: log-prob inference layout (the prepass's default layout); None: 16 / max(4096, one sequence)
+    #: log-prob inference layout (the prepass's default layout); None: the largest divisor of ``batch_size`` up to 16
+    #: (verl's static split needs a divisor) / max(4096, one sequence)
     infer_micro_batch_size_per_gpu: Optional[int] = None
     infer_max_token_len_per_gpu: Optional[int] = None
     use_remove_padding: bool = False
@@ -301,6 +307,18 @@ def measured_losses_of(options: DiagnoseOptions) -> tuple[str, ...]:
     return (options.loss_mode,) if is_measured_loss(options.loss_mode) else ()
 
 
+def peaked_policy_modes(options: DiagnoseOptions) -> tuple[str, ...]:
+    """The diagnosed global modes whose rows run on the peaked policy (:func:`..lab.experiment.needs_peaked_policy`:
+    Lp-Reg, whose min-p proxy equals pi_old on the embedded tiny model), with their comparator and their own control
+    ``vanilla[policy=peaked]``: only for the embedded tiny model with ``--responses auto``. ``--responses random``
+    keeps them on the tiny model's random ids; a ``--model`` of the user's is their own policy."""
+    from ..lab.experiment import needs_peaked_policy
+
+    if options.model is not None or options.responses != "auto":
+        return ()
+    return tuple(mode for mode in global_modes_of(options) if needs_peaked_policy(mode))
+
+
 def _actor_config(options: DiagnoseOptions, mode: str):
     """verl's FSDPActorConfig of ``mode`` with the options' loss knobs, aggregation and clip range.
 
@@ -385,7 +403,10 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
     from . import measured as _measured
     from ..lab import tiny as _tiny
     from ..modes import MODES
-    from ..lab.experiment import TRAIN_LAYOUT_SUFFIX, EngineSpec, compared_modes, frozen_minibatch, run_block
+    from ..lab.experiment import (
+        PEAKED_LM_HEAD_SCALE, PEAKED_POLICY_SUFFIX, TRAIN_LAYOUT_SUFFIX, EngineSpec, compared_modes, frozen_minibatch,
+        largest_divisor_at_most, run_block, sample_peaked_blocks,
+    )
     from .knobs import mode_failure
 
     options = validate(resolve_model(options, progress), explicit)
@@ -404,18 +425,32 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
         spec = EngineSpec(
             model_path, strategy=options.strategy, dtype=options.dtype, device=device,
             use_remove_padding=options.use_remove_padding, gradient_checkpointing=options.gradient_checkpointing,
-            infer_micro_batch_size_per_gpu=options.infer_micro_batch_size_per_gpu or 16,
+            infer_micro_batch_size_per_gpu=(options.infer_micro_batch_size_per_gpu
+                                            or largest_divisor_at_most(options.batch_size, 16)),
             infer_max_token_len_per_gpu=options.infer_max_token_len_per_gpu or max(4096, seq_len),
             **({"clip_grad": _measured.MEASURED_CLIP_GRAD} if measured else {}),
         )
         layouts = (sampled_dynamic_layouts(options, sampled) if sampled and options.layout == "dynamic"
                    and not options.explicit_layout else layouts_of(options, seq_len))
+        peaked_globals = peaked_policy_modes(options)
+        peaked_control = "vanilla" + PEAKED_POLICY_SUFFIX
+        peaked_spec, peaked_samples = None, None
+        if peaked_globals:  # the same shape as the random-id minibatches: the same layouts
+            with quiet():
+                peaked_spec = replace(spec, model_path=_tiny.build_peaked_model(
+                    os.path.join(scratch, "peaked"), model_path, PEAKED_LM_HEAD_SCALE))
+                progress(f"sampling {options.blocks} x {options.batch_size} responses of {options.response_len} tokens "
+                         f"from the peaked policy ({', '.join(peaked_globals)})")
+                peaked_samples = sample_peaked_blocks(
+                    peaked_spec.model_path, [options.seed + block for block in range(options.blocks)],
+                    batch_size=options.batch_size, prompt_len=options.prompt_len, response_len=options.response_len,
+                    vocab_size=vocab_size)
 
         running = {"mode": None}  # the name being updated: a failure is reported as that mode's
 
         def actor_config_for(mode):
             running["mode"] = mode
-            return _actor_config(options, mode)
+            return _actor_config(options, "vanilla" if mode == peaked_control else mode)
 
         failed: dict[str, str] = {}  # measured losses that raised: name -> why
         if measured:
@@ -425,23 +460,34 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
             def updates() -> int:
                 return _measured.updates_per_block(tuple(loss for loss in measured if loss not in failed))
 
-            def run(batch, report_step) -> dict:
+            def run(batch, peaked_batch, report_step) -> dict:
                 return _measured.run_measured_block(spec, batch, layouts, actor_config_for, measured, failed,
                                                     progress=report_step)
         else:
-            modes = tuple(dict.fromkeys(m for g in global_modes_of(options) for m in compared_modes(g)))
-            if options.prepass_layout == "train" or not options.compare_prepass_layouts:
-                modes = tuple(m for m in modes if not m.endswith(TRAIN_LAYOUT_SUFFIX))
+            def rows_of(global_modes) -> tuple[str, ...]:
+                rows = tuple(dict.fromkeys(m for g in global_modes for m in compared_modes(g)))
+                if options.prepass_layout == "train" or not options.compare_prepass_layouts:
+                    rows = tuple(m for m in rows if not m.endswith(TRAIN_LAYOUT_SUFFIX))
+                return rows
+
+            plain_globals = tuple(g for g in global_modes_of(options) if g not in peaked_globals)
+            modes = rows_of(plain_globals) if plain_globals else ()
+            # the peaked policy's rows: their own control first, then the modes' and comparators' rows
+            peaked_modes = tuple(peaked_control if m == "vanilla" else m for m in rows_of(peaked_globals))
             drawn = {name for spec in MODES.values() if spec.draws_at_random for name in (spec.name, spec.upstream)}
-            repeat_modes = tuple(m for m in modes if m in drawn)
+            repeat_modes = tuple(m for m in modes + peaked_modes if m in drawn)
 
             def updates() -> int:
-                return 2 * len(modes) + len(repeat_modes)
+                return 2 * (len(modes) + len(peaked_modes)) + len(repeat_modes)
 
-            def run(batch, report_step) -> dict:
+            def run(batch, peaked_batch, report_step) -> dict:
+                results = {}
                 try:
-                    results = run_block(spec, batch, layouts, actor_config_for, modes=modes,
-                                        repeat_modes=repeat_modes, progress=report_step)
+                    groups = ((spec, batch, modes), (peaked_spec, peaked_batch, peaked_modes))
+                    for engine_spec, minibatch, rows in groups:
+                        if rows:
+                            results.update(run_block(engine_spec, minibatch, layouts, actor_config_for, modes=rows,
+                                                     repeat_modes=repeat_modes, progress=report_step))
                 except DiagnoseError:
                     raise
                 except Exception as error:  # exit 2 with the mode and stage, never 1 (which means: measured)
@@ -455,11 +501,15 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
             progress(f"{prefix} building the frozen minibatch (seed {seed})")
             tokens = {} if sampled is None else dict(tokens=sampled[block].tokens(), temperature=options.temperature,
                                                       group_size=options.samples_per_prompt)
+            batch = peaked_batch = None
             with quiet():
-                batch = frozen_minibatch(
-                    spec, seed, batch_size=options.batch_size, prompt_len=options.prompt_len,
-                    response_len=options.response_len, vocab_size=vocab_size, **tokens,
-                )
+                if measured or modes:
+                    batch = frozen_minibatch(
+                        spec, seed, batch_size=options.batch_size, prompt_len=options.prompt_len,
+                        response_len=options.response_len, vocab_size=vocab_size, **tokens,
+                    )
+                if peaked_spec is not None:  # the update's forward at temperature 1, as the random-id rows'
+                    peaked_batch = frozen_minibatch(peaked_spec, seed, tokens=peaked_samples[block].tokens())
             step = {"n": 0, "of": updates()}
 
             def report_step(message, prefix=prefix, step=step):
@@ -467,7 +517,7 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
                 progress(f"{prefix} update {step['n']}/{step['of']}: {message}")
 
             with quiet():
-                blocks.append(run(batch, report_step))
+                blocks.append(run(batch, peaked_batch, report_step))
             if failed and not options.all_registered:
                 (loss, why), = failed.items()
                 raise DiagnoseError(
@@ -478,9 +528,13 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
         for rows in blocks:
             rows.pop(loss, None)
             rows.pop(_measured.split_row(loss, _measured.other_kind(options.layout)), None)
+    controls = {row: peaked_control for row in blocks[0] if peaked_globals and row in peaked_modes}
     report = summarise(options, device, [layout.name for layout in layouts[:2]], blocks,
-                       other_layout_name=layouts[2].name if measured else None, could_not_run=failed)
+                       other_layout_name=layouts[2].name if measured else None, could_not_run=failed,
+                       controls=controls)
     report["responses"] = _responses_report(options, sampled)
+    if peaked_globals:
+        report["peaked_policy"] = _peaked_policy_report(options, peaked_modes, peaked_control, peaked_samples)
     report["clip_grad"] = None if math.isinf(spec.clip_grad) else spec.clip_grad
     report["verl_version"] = _verl_version()
     report["seconds"] = round(time.perf_counter() - started, 1)
@@ -530,6 +584,16 @@ def _sample_blocks(options: DiagnoseOptions, model_path: str, progress, device: 
     return batches
 
 
+def _peaked_policy_report(options: DiagnoseOptions, rows: tuple, control: str, sampled: list) -> dict:
+    """Which rows ran on the peaked policy, what it is, and the mean entropy of its draws per block."""
+    from ..lab.experiment import PEAKED_LM_HEAD_SCALE, PEAKED_SAMPLING_TEMPERATURE
+
+    return {"rows": list(rows), "control": control, "lm_head_scale": PEAKED_LM_HEAD_SCALE,
+            "sampling_temperature": PEAKED_SAMPLING_TEMPERATURE, "forward_temperature": 1.0,
+            "prompts": f"{options.prompt_len} random ids", "response_len": options.response_len,
+            "draw_entropy": [float(batch.entropies[batch.response_mask.bool()].mean()) for batch in sampled]}
+
+
 def _responses_report(options: DiagnoseOptions, sampled) -> dict:
     """How the minibatch's tokens were made, and (sampled) their shape and the sampling entropy per block."""
     if sampled is None:
@@ -563,7 +627,8 @@ def _ratios(diffs: list, controls: list) -> list:
 
 
 def summarise(options: DiagnoseOptions, device: str, layout_names: list[str], blocks: list[dict], *,
-              other_layout_name: Optional[str] = None, could_not_run: Optional[dict] = None) -> dict:
+              other_layout_name: Optional[str] = None, could_not_run: Optional[dict] = None,
+              controls: Optional[dict] = None) -> dict:
     """Per-mode figures over blocks, ratios to the control, and one verdict per global mode or measured loss.
 
     A global mode is invariant when its masks are identical in every block and its parameter
@@ -573,12 +638,15 @@ def summarise(options: DiagnoseOptions, device: str, layout_names: list[str], bl
     repeated update, each row against its own control ``vanilla`` / ``vanilla[split=...]``;
     ``other_layout_name`` names the other layout). The report is invariant when every diagnosed
     mode or loss that ran is; ``could_not_run`` (name -> why) lists the measured losses that raised.
+    ``controls`` (row -> control row): rows compared with a control other than ``vanilla`` (the peaked policy's).
     """
     from . import measured as _measured
     from ..lab.experiment import upstream_mode
 
+    control_rows = dict(controls or {})
+
     def controls_of(mode: str) -> list:
-        control = _measured.control_of(mode)
+        control = control_rows.get(mode) or _measured.control_of(mode)
         return [block[control if control in block else "vanilla"]["max_param_diff"] for block in blocks]
 
     modes = {}
@@ -609,6 +677,9 @@ def summarise(options: DiagnoseOptions, device: str, layout_names: list[str], bl
             f"{'identical' if figures['masks_identical'] else 'DIFFER'} in all {len(blocks)} blocks, "
             f"max|dtheta| up to {worst:.2f}x the control's noise floor (limit {INVARIANCE_FACTOR:g}x)"
         )
+        if mode in control_rows:
+            text = text.replace("the control's noise floor",
+                                f"the control's noise floor ({control_rows[mode]}, on the peaked policy)")
         if "repeat_ratio_to_control" in figures:
             text += f", run again with another RNG state within {repeat_worst:.2f}x"
         upstream = upstream_mode(mode)
@@ -636,6 +707,8 @@ def summarise(options: DiagnoseOptions, device: str, layout_names: list[str], bl
         "invariant": invariant,
         "verdict": "; ".join(verdicts.values()),
     }
+    if control_rows:
+        report["controls"] = control_rows
     if measured:
         report.update(measured_losses=list(measured), other_layout=other_layout_name, could_not_run=dict(could_not_run or {}))
         if options.all_registered:
@@ -691,6 +764,14 @@ def _minibatch_text(options: dict, responses: dict) -> str:
             + ", ".join(f"{b['mean_entropy']:.2f}" for b in blocks) + " nats per block")
 
 
+def _peaked_policy_text(peaked: dict) -> str:
+    return (f"rows {', '.join(peaked['rows'])}: the peaked policy (the tiny model's LM head "
+            f"x{peaked['lm_head_scale']:g}), "
+            f"responses sampled from it at T={peaked['sampling_temperature']:g} after {peaked['prompts']} (mean "
+            "entropy of the draws " + ", ".join(f"{e:.2f}" for e in peaked["draw_entropy"]) + " nats per block), "
+            f"update at T={peaked['forward_temperature']:g}; compared with {peaked['control']}")
+
+
 def format_report(report: dict) -> str:
     """The table a person reads at a glance (after ``--config-name``'s settings summary, when there is one)."""
     options = report["options"]
@@ -724,8 +805,9 @@ def format_report(report: dict) -> str:
         + (" | gradient clipping off" if report.get("measured_losses") else ""),
         _minibatch_text(options, report.get("responses") or {"kind": "random"}) + f" | {knobs} | "
         + (f"entropy controller {options['entropy_control']} | " if options.get("entropy_control") else "")
-        + f"{len(report['modes']['vanilla']['max_param_diff'])} blocks | "
+        + f"{len(next(iter(report['modes'].values()))['max_param_diff'])} blocks | "
         f"{report.get('seconds', '?')} s",
+        *([_peaked_policy_text(report["peaked_policy"])] if report.get("peaked_policy") else []),
         "",
         f"{'mode':<{width}} {'tokens selected (' + first + ' | ' + second + ')':<44} {'masks':<10} "
         f"{'max|dtheta| between layouts':<30} {'ratio to control':<22} again, other RNG state / control",

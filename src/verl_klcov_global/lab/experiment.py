@@ -248,7 +248,8 @@ def _store_comparator_proxy(engine, td: TensorDict, actor_config) -> None:
     from ..engine.proxy import PROXY_REQUEST_KEY
     from ..layout import values_in_layout_of
 
-    min_p = float(actor_config.policy_loss.get("lp_reg_min_p", 0.02))
+    mode = upstream_counts(_per_micro_batch.LP_REG_COMPARATOR)  # lp_reg_global: the comparator takes its knobs
+    min_p = float(mode.proxy_min_p(mode.read_settings(actor_config)))
     log_prob_pass(engine, td, reuse.log_prob_pass(engine, keep_entropy=False, keep_proxy=True),
                   extra={PROXY_REQUEST_KEY: min_p})
     proxy, why = reuse.held_proxy(engine, td)
@@ -294,7 +295,10 @@ def log_prob_pass(engine, td: TensorDict, context=None, extra: Optional[dict] = 
     """verl's actor log-prob pass on ``td`` (``compute_log_prob``: ``calculate_entropy=True``, the engine's log-prob
     inference micro-batching, eval mode), inside ``context`` (a :func:`verl_klcov_global.engine.reuse.log_prob_pass`
     block, or none), with the non-tensor keys ``extra`` on its copy of ``td``; returns its outputs (``model_output``
-    with nested ``log_probs`` and ``entropy``)."""
+    with nested ``log_probs`` and ``entropy``).
+
+    Static micro-batches: verl's split needs a size that divides the rows (it asserts so), so the pass runs with
+    :func:`inference_micro_batch_size` (the engine's ``infer_micro_batch_size_per_gpu`` when it divides them)."""
     import contextlib
 
     from verl.utils import tensordict_utils as tu
@@ -304,9 +308,18 @@ def log_prob_pass(engine, td: TensorDict, context=None, extra: Optional[dict] = 
     if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=False):
         tu.assign_non_tensor(data, max_token_len_per_gpu=engine.engine_config.infer_max_token_len_per_gpu)
     else:
-        tu.assign_non_tensor(data, micro_batch_size_per_gpu=engine.engine_config.infer_micro_batch_size_per_gpu)
+        tu.assign_non_tensor(data, micro_batch_size_per_gpu=inference_micro_batch_size(
+            len(data), engine.engine_config.infer_micro_batch_size_per_gpu))
     with context or contextlib.nullcontext(), engine.eval_mode():
         return engine.infer_batch(data)
+
+
+def inference_micro_batch_size(rows: int, size: Optional[int]) -> int:
+    """The static micro-batch size of a log-prob pass over ``rows`` sequences: ``size`` (the engine's
+    ``infer_micro_batch_size_per_gpu``) when it divides ``rows``, else the largest divisor of ``rows`` below it (verl's
+    static split asserts that the size divides the data; a trainer's batch is a multiple of its log-prob micro-batch
+    size, diagnose's minibatch need not be)."""
+    return largest_divisor_at_most(rows, size or rows)
 
 
 def _release(engine) -> None:
@@ -326,6 +339,8 @@ def frozen_minibatch(engine_spec: EngineSpec, seed: int, *, batch_size: int = 64
     The perturbation matters: with old == current exactly, |log-ratio| has zero
     gradient and kl_cov's penalty is invisible (see VERL_NOTES).
     """
+    if batch_kwargs.get("tokens") is not None:  # a rollout's rows: their count
+        batch_size = int(batch_kwargs["tokens"]["responses"].shape[0])
     batch_kwargs.setdefault("micro_batch_size_per_gpu", largest_divisor_at_most(batch_size, 8))
     common = dict(batch_size=batch_size, prompt_len=prompt_len, response_len=response_len, seed=seed,
                   layout=layout, use_remove_padding=engine_spec.use_remove_padding, **batch_kwargs)
@@ -334,6 +349,41 @@ def frozen_minibatch(engine_spec: EngineSpec, seed: int, *, batch_size: int = 64
     current = _tiny.compute_current_log_probs(engine, probe)
     _release(engine)
     return _tiny.make_minibatch(**common, log_probs=current)
+
+
+#: Appended to the control's name when it runs on the peaked policy: ``vanilla[policy=peaked]``.
+PEAKED_POLICY_SUFFIX = "[policy=peaked]"
+#: The peaked policy: the embedded tiny model with its LM head times this (:func:`.tiny.build_peaked_model`).
+PEAKED_LM_HEAD_SCALE = 8.0
+#: The temperature its responses are drawn at (the update's forward stays at 1).
+PEAKED_SAMPLING_TEMPERATURE = 0.5
+
+
+def needs_peaked_policy(global_mode: str) -> bool:
+    """Whether ``global_mode``'s rows need a policy sharper than the embedded tiny model's to show anything.
+
+    A mode that reads a min-p proxy of pi_old (``ModeSpec.proxy_min_p``: Lp-Reg) regularises a selected token only
+    where the filter cut some mass at its position. The tiny model's next-token distribution is near-uniform (max /
+    median p about 1.6), so a kappa such as the authors' 0.02 keeps every token: the proxy is pi_old, no token is
+    regularised, and the update cannot depend on which tokens were selected. Its rows run on the peaked policy."""
+    return MODES[global_mode].proxy_min_p is not None
+
+
+def sample_peaked_blocks(model_path: str, seeds, *, batch_size: int, prompt_len: int, response_len: int,
+                         vocab_size: int) -> list:
+    """Per seed, :func:`.sampling.sample_after_random_prompts` from the peaked policy at ``model_path`` (fp32, CPU)
+    at :data:`PEAKED_SAMPLING_TEMPERATURE`: every response ``response_len`` tokens, so the minibatch has the shape of
+    the random-id ones and the same micro-batch layouts.
+
+    The temperature is below the update's 1: at 1, the draws outside kappa 0.02's support (about 11% of them with
+    the LM head x8) are the lowest-probability tokens of the minibatch, the ones Lp-Reg's quota takes first and never
+    regularises; at 0.5 about half of the lowest 1% lie inside the support."""
+    from . import sampling
+
+    model, tokenizer = sampling.load_policy(model_path)
+    return [sampling.sample_after_random_prompts(model, tokenizer, batch_size=batch_size, prompt_len=prompt_len,
+                                                 response_len=response_len, vocab_size=vocab_size, seed=seed,
+                                                 temperature=PEAKED_SAMPLING_TEMPERATURE) for seed in seeds]
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

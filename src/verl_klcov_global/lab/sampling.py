@@ -11,7 +11,8 @@ differ and, rarely, so may a draw.
 with their answers (for a reward that reads the decoded text). SmolLM2-135M-Instruct answers 3% of them (docs/
 REAL_MODEL.md); :func:`repeat_prompts` ("Repeat this number: N") is the set it answers about a third of, where GRPO
 groups have reward variance to learn from. :func:`sample_token_responses` samples after prompts already tokenized
-(a rollout's input).
+(a rollout's input); :func:`sample_after_random_prompts` after random prompt ids, every response at full length (a
+model without a chat template, minibatches of one shape).
 """
 
 from __future__ import annotations
@@ -121,6 +122,19 @@ def template_prompts(tokenizer, prompts: list[Prompt]) -> list[list[int]]:
     return out
 
 
+def sample_after_random_prompts(model, tokenizer, *, batch_size: int, prompt_len: int, response_len: int,
+                                vocab_size: int, seed: int, temperature: float = 1.0,
+                                first_id: int = 3) -> SampledBatch:
+    """``batch_size`` rows of ``prompt_len`` random prompt ids (uniform in [``first_id``, ``vocab_size``), drawn from
+    ``torch.Generator`` seeded ``seed``: ids below ``first_id`` are the special tokens), each followed by a response of
+    exactly ``response_len`` tokens sampled from the model at ``temperature`` with seed ``seed``
+    (``stop_at_eos=False``)."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(first_id, vocab_size, (batch_size, prompt_len), generator=generator)
+    return sample_token_responses(model, tokenizer, prompts.tolist(), max_new_tokens=response_len,
+                                  temperature=temperature, seed=seed, stop_at_eos=False)
+
+
 def sample_chat_responses(model, tokenizer, prompts: list[Prompt], *, samples_per_prompt: int,
                           max_new_tokens: int, temperature: float = 1.0, seed: int = 0) -> SampledBatch:
     """Sample ``samples_per_prompt`` responses per prompt (see the module docstring)."""
@@ -133,9 +147,12 @@ def sample_chat_responses(model, tokenizer, prompts: list[Prompt], *, samples_pe
 
 @torch.no_grad()
 def sample_token_responses(model, tokenizer, prompt_ids: list[list[int]], *, max_new_tokens: int,
-                           temperature: float = 1.0, seed: int = 0) -> SampledBatch:
+                           temperature: float = 1.0, seed: int = 0, stop_at_eos: bool = True) -> SampledBatch:
     """One response per row of ``prompt_ids`` (token ids, templated already), drawn with a KV cache from one
-    ``torch.Generator`` seeded ``seed`` on the host, each row stopped at its EOS (``answers`` left empty)."""
+    ``torch.Generator`` seeded ``seed`` on the host, each row stopped at its EOS (``answers`` left empty).
+
+    ``stop_at_eos=False``: every row runs to ``max_new_tokens`` (an EOS drawn is a token like any other; the mask is
+    all ones), for minibatches whose rows must all have the same length."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (sampling), got {temperature}")
     if max_new_tokens < 1:
@@ -166,7 +183,8 @@ def sample_token_responses(model, tokenizer, prompt_ids: list[list[int]], *, max
         drawn = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)
         tokens.append(torch.where(finished, torch.full_like(drawn, pad), drawn))
         entropies.append(torch.where(finished, torch.zeros_like(entropy), entropy))
-        finished = finished | (drawn == eos)
+        if stop_at_eos:
+            finished = finished | (drawn == eos)
         if bool(finished.all()):
             break
         attention = torch.cat([attention, torch.ones(batch, 1, dtype=torch.long, device=device)], dim=1)
@@ -176,7 +194,7 @@ def sample_token_responses(model, tokenizer, prompt_ids: list[list[int]], *, max
     responses = torch.stack(tokens, dim=1).cpu()
     prompt_ids, prompt_mask = prompt_ids.cpu(), prompt_mask.cpu()
     # 1 through each row's first EOS (inclusive), as verl's rollout masks a response
-    is_eos = responses == eos
+    is_eos = (responses == eos) if stop_at_eos else torch.zeros_like(responses, dtype=torch.bool)
     after_eos = (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) > 0
     response_mask = (~after_eos).long()
     texts = [tokenizer.decode(row[mask.bool()].tolist(), skip_special_tokens=True)

@@ -5,6 +5,8 @@
   (:func:`build_random_model`: the same for any Qwen2 config, e.g. the GPU kit's 0.5B shape,
   and either tokenizer of :func:`build_tokenizer`: ``"bpe"`` or the 64-id word-level ``"words"``;
   :func:`build_words_model`: the 64-id model the learning experiments train from scratch).
+* :func:`build_peaked_model` -- a copy of a model folder with its LM head scaled: a sharper next-token
+  distribution (``diagnose``'s policy for the rows of a mode that reads a min-p proxy, Lp-Reg).
 * :func:`make_minibatch` -- one actor-update minibatch shaped exactly as verl
   0.9.1 hands it to ``TrainingWorker.train_batch`` / ``engine.train_batch``,
   in the v1-trainer layout (every per-sample field nested/jagged) or the
@@ -67,6 +69,7 @@ __all__ = [
     "build_tiny_model",
     "build_words_model",
     "build_random_model",
+    "build_peaked_model",
     "make_minibatch",
     "compute_current_log_probs",
     "set_micro_batching",
@@ -231,6 +234,39 @@ def build_random_model(
         del model
         tok.save_pretrained(tmp)
         GenerationConfig(**ids).save_pretrained(tmp)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not os.path.exists(os.path.join(path, "config.json")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def build_peaked_model(path: str, source: str, scale: float) -> str:
+    """Write ``source`` (an HF Qwen2 folder) to ``path`` with its LM head's weights multiplied by ``scale``.
+
+    The logits are the source's times ``scale``: the same ranking of next tokens, a sharper distribution (the tiny
+    model's is near-uniform: max / median p about 1.6). Tokenizer and configs are copied. Idempotent and safe for
+    concurrent callers, like :func:`build_tiny_model`.
+    """
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    from transformers import AutoModelForCausalLM
+
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".peaked_qwen2_", dir=parent)
+    try:
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        if getattr(model.config, "tie_word_embeddings", False):
+            raise ValueError(f"{source}: the LM head is tied to the input embeddings; scaling it would scale them too")
+        with torch.no_grad():
+            model.lm_head.weight.mul_(scale)
+        model.save_pretrained(tmp)
+        del model
         try:
             os.rename(tmp, path)
         except OSError:
