@@ -213,7 +213,9 @@ DEFAULT_LP_REG_POS_RATIO = 0.0
 #: ``actor.yaml`` writes ``ppo_kl_coef: 0.1`` into every ``policy_loss`` node it composes, so on the ``_target_``
 #: route an unset beta would be verl's 0.1, not the authors' 1.
 DEFAULT_LP_REG_KL_COEF = 1.0
-LP_REG_PROXY_FIELD = "lp_reg_proxy_log_probs"
+#: Per-token field of the minibatch that carries, during one optimizer step, the proxy log-probs a mode reads from
+#: verl's log-prob pass (``ModeSpec.proxy_min_p``; the objective's ``proxy_log_prob``), sliced like the mask.
+PROXY_FIELD = "global_mode_proxy_log_probs"
 
 
 @dataclass(frozen=True)

@@ -292,9 +292,21 @@ def stare_objective(old_log_prob, log_prob, advantages, response_mask, mask, set
 
 #: Metric prefix of ``lp_reg_global`` (the mode table's ``metric_prefix``).
 LP_REG_PREFIX = "actor/lp_reg/"
-#: The per-micro-batch tallies :func:`lp_reg_objective` reports; the engine's step sums them over the micro-batches
-#: and the DP group into one figure per optimizer step (:mod:`.engine.step`), named without ``_in_micro_batch``.
+#: The per-micro-batch tallies :func:`lp_reg_objective` reports (the mode table's ``loss_tallies``); the engine's
+#: step sums them over the micro-batches and the DP group, and :func:`lp_reg_tally_figures` makes the step's figures.
 LP_REG_TALLIES = ("regularised", "selected_in_support", "kl_sum", "per_call_switched_off")
+
+
+def lp_reg_tally_figures(sums: dict[str, float], selection) -> dict[str, float]:
+    """The step's figures from :data:`LP_REG_TALLIES` summed over its micro-batches and the DP group:
+    ``regularised``, ``per_call_switched_off``, ``selected_in_support_share`` (of the selected tokens) and ``kl_mean``
+    (over the regularised tokens), the last two where their denominator is not 0."""
+    figures = {"regularised": sums["regularised"], "per_call_switched_off": sums["per_call_switched_off"]}
+    if selection.num_selected:
+        figures["selected_in_support_share"] = sums["selected_in_support"] / selection.num_selected
+    if sums["regularised"]:
+        figures["kl_mean"] = sums["kl_sum"] / sums["regularised"]
+    return figures
 
 
 def lp_reg_per_call_switched_off(advantages: torch.Tensor, response_mask: torch.Tensor, settings) -> int:

@@ -44,6 +44,7 @@ from .knob_doc import knob_names
 from .layout import MinibatchFields, read_fields
 from .loss import (
     ClipCovMaskUnavailableError,
+    LP_REG_TALLIES,
     HighEntropyMaskUnavailableError,
     KLCovMaskUnavailableError,
     LpRegMaskUnavailableError,
@@ -55,6 +56,7 @@ from .loss import (
     high_entropy_objective,
     kl_cov_objective,
     lp_reg_objective,
+    lp_reg_tally_figures,
     stare_objective,
 )
 from .selection import (
@@ -147,7 +149,10 @@ class ModeSpec:
       ``ratio_knob`` is a fraction of, ``ratio_may_be_zero``: 0 is a valid value (the guardrails' wording);
     * ``proxy_min_p(settings) -> kappa``: the mode's objective reads Lp-Reg's proxy of the old policy
       (:mod:`.engine.proxy`), computed in verl's log-prob pass and held for the update in every ``prepass_layout``
-      (the driver refuses ``bypass_mode``); the step hands it to the objective as ``proxy_log_prob``. None: no proxy.
+      (the driver refuses ``bypass_mode``); the step hands it to the objective as ``proxy_log_prob``. None: no proxy;
+    * ``loss_tallies``: per-micro-batch counts the objective reports as metrics ``<prefix><name>_in_micro_batch``;
+      the step sums each over its micro-batches and the DP group (one all-reduce) and removes the raw entries;
+      ``tally_figures(sums, selection)`` turns the sums into the step's figures (default: the sums themselves).
     """
 
     name: str
@@ -178,6 +183,8 @@ class ModeSpec:
     ratio_of: str = "each optimizer minibatch's valid response tokens"
     ratio_may_be_zero: bool = False
     proxy_min_p: Optional[Callable[[Any], float]] = None
+    loss_tallies: tuple[str, ...] = ()
+    tally_figures: Optional[Callable[[dict[str, float], Any], dict[str, float]]] = None
 
     def __repr__(self) -> str:
         return f"ModeSpec({self.name!r})"
@@ -378,4 +385,5 @@ LP_REG = register_mode(ModeSpec(
     ratio_knob="lp_reg_neg_ratio", paper_ratios=(("7B", 0.01), ("32B", 0.005)), ratio_warning=None,
     ratio_of="each optimizer minibatch's negative-advantage valid response tokens",
     proxy_min_p=lambda settings: settings.min_p,  # no entropy controller (entropy_sign 0)
+    loss_tallies=LP_REG_TALLIES, tally_figures=lp_reg_tally_figures,
 ))

@@ -105,7 +105,7 @@ PATCHES: tuple[Patch, ...] = (
           "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs(self, output, "
           "output_args, micro_batch, logits_processor_func)",
           "every process that imports the plugin (permanent); computes only where a micro-batch carries "
-          "PROXY_REQUEST_KEY (lp_reg_global's log-prob pass)", "engine.proxy.prepare_model_outputs_with_proxy"),
+          "PROXY_REQUEST_KEY (the log-prob pass of a mode with ModeSpec.proxy_min_p)", "engine.proxy.prepare_model_outputs_with_proxy"),
     Patch("weight_restore_bumps_version",
           "verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu (and fsdp1_sharded_load_from_cpu where defined)",
           "verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu(model, cpu_sharded_state, target_spec) / "

@@ -116,12 +116,12 @@ def _proxy_of_micro_batch(engine, output, output_args: dict, micro_batch, min_p:
 
     if _non_tensor(micro_batch, "use_fused_kernels", False):
         raise ProxyUnsupportedError(
-            "loss_mode=lp_reg_global computes its proxy pi_proxy from the old policy's logits in verl's log-prob pass, "
+            "this loss mode computes its proxy pi_proxy from the old policy's logits in verl's log-prob pass, "
             "and use_fused_kernels=True does not materialise them (as verl refuses calculate_sum_pi_squared there): "
             "set actor_rollout_ref.model.use_fused_kernels=False")
     pad_mode = _non_tensor(micro_batch, "pad_mode", DatasetPadMode.NO_PADDING)
     if pad_mode != DatasetPadMode.NO_PADDING:
-        raise ProxyUnsupportedError(f"lp_reg_global's proxy: pad_mode {pad_mode} is not covered (verl's engine "
+        raise ProxyUnsupportedError(f"the loss mode's proxy: pad_mode {pad_mode} is not covered (verl's engine "
                                     "supports NO_PADDING only)")
     logits = output.logits
     if hasattr(logits, "full_tensor"):  # a DTensor sharded on the vocabulary (TP): verl gathers it too

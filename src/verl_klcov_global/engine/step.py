@@ -52,9 +52,9 @@ from tensordict import TensorDict
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.base import BaseEngine
 
-from ..config import LP_REG_PROXY_FIELD, MASK_FIELD, SUPPORTED_STRATEGIES, unsupported_strategy_message
+from ..config import MASK_FIELD, PROXY_FIELD, SUPPORTED_STRATEGIES, unsupported_strategy_message
 from ..layout import mask_in_layout_of, micro_batch_mask, micro_batch_values, values_in_layout_of
-from ..loss import LP_REG_TALLIES, provide_selection_mask
+from ..loss import provide_selection_mask
 from ..modes import ModeSpec, global_mode_of
 from ..seams import known_versions_text
 from . import reuse
@@ -72,7 +72,8 @@ class UnsupportedEngineError(RuntimeError):
 
 
 class ProxyUnavailableError(RuntimeError):
-    """A mode that reads Lp-Reg's proxy found none held for this optimizer step's rows (raised on every rank)."""
+    """A mode that reads a proxy from verl's log-prob pass (``ModeSpec.proxy_min_p``) found none held for this
+    optimizer step's rows (raised on every rank)."""
 
 
 @contextlib.contextmanager
@@ -118,17 +119,17 @@ def train_batch_with_prepass(original: Callable, engine: BaseEngine, data: Tenso
     data[MASK_FIELD] = mask_in_layout_of(prepass.selection.mask, data["response_mask"])
     token_fields = {}
     if proxy is not None:  # per token, so verl's micro-batch split carries each slice (as the mask)
-        data[LP_REG_PROXY_FIELD] = values_in_layout_of(proxy, data["response_mask"], dtype=torch.float32)
-        token_fields["proxy_log_prob"] = LP_REG_PROXY_FIELD
+        data[PROXY_FIELD] = values_in_layout_of(proxy, data["response_mask"], dtype=torch.float32)
+        token_fields["proxy_log_prob"] = PROXY_FIELD
     try:
         outputs = original(engine, data, functools.partial(_loss_with_mask_slice, loss_function, step_settings,
                                                            _token_fields=token_fields))
     finally:
         del data[MASK_FIELD]
         if proxy is not None:
-            del data[LP_REG_PROXY_FIELD]
-    if proxy is not None:  # collective: every rank, whatever its outputs
-        rule_figures = {**rule_figures, **_lp_reg_step_figures(engine, outputs, mode, prepass)}
+            del data[PROXY_FIELD]
+    if mode.loss_tallies:  # collective: every rank, whatever its outputs
+        rule_figures = {**rule_figures, **_tally_figures(engine, outputs, mode, prepass)}
     step_seconds = time.perf_counter() - started
     if isinstance(outputs, dict) and isinstance(outputs.get("metrics"), dict):
         prefix = mode.metric_prefix
@@ -176,16 +177,16 @@ def _held_proxy(engine: BaseEngine, data: TensorDict, mode: ModeSpec):
     return proxy
 
 
-def _lp_reg_step_figures(engine: BaseEngine, outputs: Any, mode: ModeSpec, prepass: PrepassResult) -> dict:
-    """The loss's per-micro-batch tallies (:data:`.loss.LP_REG_TALLIES`) summed over this step's micro-batches and the
-    DP group (one all-reduce of 4 float64), as figures: ``regularised``, ``selected_in_support_share``, ``kl_mean``
-    (over the regularised tokens) and ``per_call_switched_off``. The raw per-micro-batch entries are removed."""
+def _tally_figures(engine: BaseEngine, outputs: Any, mode: ModeSpec, prepass: PrepassResult) -> dict:
+    """The objective's per-micro-batch tallies (``mode.loss_tallies``) summed over this step's micro-batches and the
+    DP group (one all-reduce of one float64 each), as the step's figures (``mode.tally_figures``, else the sums). The
+    raw per-micro-batch entries are removed."""
     import torch.distributed as dist
     from verl.utils.device import get_device_id
 
     metrics = outputs.get("metrics") if isinstance(outputs, dict) else None
     totals = []
-    for name in LP_REG_TALLIES:
+    for name in mode.loss_tallies:
         values = metrics.pop(f"{mode.metric_prefix}{name}_in_micro_batch", []) if isinstance(metrics, dict) else []
         values = getattr(values, "values", values)  # verl 0.9: a Metric per key (its .values, one per micro-batch)
         values = values if isinstance(values, list) else [values]
@@ -194,21 +195,15 @@ def _lp_reg_step_figures(engine: BaseEngine, outputs: Any, mode: ModeSpec, prepa
     group = engine.get_data_parallel_group()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    regularised, in_support, kl_sum, switched_off = sums.tolist()
-    selected = prepass.selection.num_selected
-    figures = {"regularised": regularised, "per_call_switched_off": switched_off}
-    if selected:
-        figures["selected_in_support_share"] = in_support / selected
-    if regularised:
-        figures["kl_mean"] = kl_sum / regularised
-    return figures
+    summed = dict(zip(mode.loss_tallies, sums.tolist()))
+    return mode.tally_figures(summed, prepass.selection) if mode.tally_figures is not None else summed
 
 
 def _loss_with_mask_slice(loss_function: Callable, step_settings: Any, *args, _token_fields: Optional[dict] = None,
                           **kwargs):
     """verl's loss function, called inside ``provide_selection_mask`` with this micro-batch's mask slice (and the
     step's settings where the mode's ``update_rule`` moved them, else None; and ``_token_fields``, objective argument ->
-    per-token minibatch field, each sliced like the mask: Lp-Reg's proxy).
+    per-token minibatch field, each sliced like the mask: the proxy of a mode with ``proxy_min_p``).
 
     verl also passes the same function as a logits processor for top-k distillation
     (``logits_processor_func(student_logits=..., data=...)``, verl 0.9.1

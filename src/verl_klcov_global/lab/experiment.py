@@ -241,9 +241,9 @@ def one_update(engine_spec: EngineSpec, batch: TensorDict, actor_config, layout:
 
 def _store_comparator_proxy(engine, td: TensorDict, actor_config) -> None:
     """Lp-Reg's proxy for the lab's comparator (``lp_reg_per_micro_batch``): the same log-prob pass of pi_old that
-    ``lp_reg_global`` holds, stored as the per-token field ``LP_REG_PROXY_FIELD`` of ``td`` (verl's split carries
+    ``lp_reg_global`` holds, stored as the per-token field ``PROXY_FIELD`` of ``td`` (verl's split carries
     each micro-batch's slice to the comparator's loss call)."""
-    from ..config import LP_REG_PROXY_FIELD
+    from ..config import PROXY_FIELD
     from ..engine import reuse
     from ..engine.proxy import PROXY_REQUEST_KEY
     from ..layout import values_in_layout_of
@@ -255,7 +255,7 @@ def _store_comparator_proxy(engine, td: TensorDict, actor_config) -> None:
     proxy, why = reuse.held_proxy(engine, td)
     if proxy is None:
         raise RuntimeError(f"{_per_micro_batch.LP_REG_COMPARATOR}: no proxy held from the log-prob pass: {why}")
-    td[LP_REG_PROXY_FIELD] = values_in_layout_of(proxy, td["response_mask"], dtype=torch.float32)
+    td[PROXY_FIELD] = values_in_layout_of(proxy, td["response_mask"], dtype=torch.float32)
 
 
 def hold_old_policy_pass(engine, td: TensorDict, actor_config) -> None:

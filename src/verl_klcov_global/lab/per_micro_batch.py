@@ -1,6 +1,6 @@
 """The authors' per-micro-batch rules, the lab's comparators of the global modes that have no verl counterpart.
 
-Two comparators, each registered in verl's ``POLICY_LOSS_REGISTRY`` in-process by the lab (``diagnose``, the
+Three comparators, each registered in verl's ``POLICY_LOSS_REGISTRY`` in-process by the lab (``diagnose``, the
 experiment, the research harness), never by the plugin or its entry point:
 
 * :data:`COMPARATOR` (``high_entropy_per_micro_batch``), ``high_entropy_global``'s: below;
@@ -11,7 +11,7 @@ High-entropy rule (``high_entropy_per_micro_batch``).
 
 *Beyond the 80/20 Rule* (arXiv:2506.01939) keeps the PPO-clip loss only on the top ρ of tokens
 by entropy. Every implementation people run takes that threshold per training micro-batch; this
-module is TRL's public rule (``GRPOTrainer.get_high_entropy_mask``), which the issue names:
+module is TRL's public rule (``GRPOTrainer.get_high_entropy_mask``):
 
 * per micro-batch, ``threshold = torch.quantile(valid entropies, 1 - ρ)`` (linear interpolation);
 * every valid token with entropy ``>=`` the threshold keeps verl's ``vanilla`` PPO-clip loss, the
@@ -189,11 +189,11 @@ def ppo_loss_with_entropy(config, model_output, data, dp_group=None):
     if loss_mode == LP_REG_COMPARATOR:  # the proxy held from the log-prob pass, a per-token field of the minibatch
         from ..layout import micro_batch_values
 
-        if _config.LP_REG_PROXY_FIELD not in data.keys():
+        if _config.PROXY_FIELD not in data.keys():
             raise MicroBatchProxyUnavailableError(
-                f"loss_mode={LP_REG_COMPARATOR}: the micro-batch has no {_config.LP_REG_PROXY_FIELD} field "
+                f"loss_mode={LP_REG_COMPARATOR}: the micro-batch has no {_config.PROXY_FIELD} field "
                 "(verl_klcov_global.lab.experiment.one_update stores it)")
-        with provide_micro_batch_proxy(micro_batch_values(data, _config.LP_REG_PROXY_FIELD)):
+        with provide_micro_batch_proxy(micro_batch_values(data, _config.PROXY_FIELD)):
             return ppo_loss(config, model_output, data, dp_group)
     if loss_mode != COMPARATOR:
         return ppo_loss(config, model_output, data, dp_group)
