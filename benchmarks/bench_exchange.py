@@ -11,7 +11,7 @@ each rank sends per optimizer step:
 * current (``verl_klcov_global.selection``): the same first two collectives (56 bytes),
   then a radix search for the k-th key: one all-reduce of a 256-bin int32 histogram
   (1,024 bytes) per round, at most 8 rounds, then one collective of 8 bytes, then one
-  all-reduce of 4 int64 (the exact sums behind the covariance figures, since issue 22):
+  all-reduce of 4 int64 (the exact sums behind the covariance figures, since 0.3.0):
   ``96 + 1024 * rounds <= 8,288`` bytes, whatever ``k`` and ``N``.
 
 ``torch.distributed`` is replaced, inside the module that issues the collectives only, by a

@@ -11,7 +11,7 @@ Reward of a response ``r`` of ``L`` tokens (``L`` = 8 in the study):
 :data:`TASK` holds the values (:class:`DeceptiveTask`: 0.5, 1.0, the ids, the criteria). Why this design:
 
 * **Findable but rare.** A random policy over 64 ids puts about ``3/64 = 4.7%`` of its first-token mass on
-  the hidden ids: inside the issue's 2-10% band, so a step of 64 responses shows P about 3 times.
+  the hidden ids: rare but findable (between 2% and 10%), so a step of 64 responses shows P about 3 times.
 * **Exact probability.** P depends on the first token only, so its probability under a policy is the
   hidden ids' softmax mass at the first response position -- one forward of the prompt, no sampling
   (:meth:`DeceptiveTask.pattern_probability`). The premise is measured, not counted.

@@ -20,7 +20,7 @@ token covariance of log-prob and GRPO advantage (:class:`.policy_rollout.PolicyR
 mode), and the global modes' selection figures, the covariance figures among them
 (``actor/<method>/cov_mean``, ``selected_cov_mean``, ``selected_cov_share``). Compared: each mode's
 two micro-batch sizes, step by step, against vanilla's own difference (its float noise).
-Knobs: ``kl_cov_ratio`` 0.1 and ``ppo_kl_coef`` 1 (the toy the issue quotes; the paper's 0.002 would
+Knobs: ``kl_cov_ratio`` 0.1 and ``ppo_kl_coef`` 1 (the paper's 0.002 would
 select 1 token of a 256-token minibatch: the quota floor), ``clip_cov_ratio`` 0.1 and the window
 (0, 5) (verl's default lower bound 1 leaves no candidate while the policy is near uniform:
 covariances start near 0), ``entropy_top_ratio`` 0.2 (the paper's), STARE's knobs its config class's defaults

@@ -9,7 +9,7 @@
 #                                           source archive ../shared/verl-main/ (missing: the job fails)
 #
 # The main suite (.venv/, verl 0.9.1) runs every test. These jobs run what can break when only verl's version
-# changes, each property once (CI time: issue 39 cut them from 461 s and 416 s on a 2-core AMD runner); tests
+# changes, each property once (CI time: before, they took 461 s and 416 s on a 2-core AMD runner); tests
 # whose outcome cannot depend on verl are left to the main suite: tests/selection (the selection on torch alone,
 # verl 0.9.1's own selection code copied into the test as the reference), tests/test_import_layers.py.
 #
@@ -17,7 +17,7 @@
 # the mode table and the controller's law (the fast files below, whole), the patch catalogue on 0.8's engine
 # (tests/engine/test_patches.py), one engine-level invariance test (KL-Cov, static 64 vs 8 micro-batches,
 # padded FSDP1), one reuse of verl's own log-prob pass (its worker code differs between versions), and
-# `diagnose --blocks 1` (the three modes through 0.8's engine, 1 vs 8 micro-batches). Tests marked
+# `diagnose --blocks 1` (every mode of the table through 0.8's engine, 1 vs 8 micro-batches). Tests marked
 # `needs_entry_point_group` (0.8 has no `verl.plugins` group) or `needs_driver_validate_config` (0.8's main_ppo
 # validates in the TaskRunner, after ray.init) are deselected.
 # main: the whole fast tier (`-m "not slow"`, less the version-independent files), then one engine-level

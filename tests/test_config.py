@@ -214,7 +214,7 @@ def test_unsupported_strategy_suggests_only_an_upstream_verl_registers(monkeypat
     assert f"use loss_mode={comparator}" in unsupported_strategy_message("high_entropy_global", comparator, "x")
 
 
-# -- the common knobs, defined once (issue 40) ----------------------------------------------------------------
+# -- the common knobs, defined once (0.8.0) -------------------------------------------------------------------
 
 #: Each class's own fields and their defaults as 0.7.0 wrote them out three times (beyond verl's PolicyLossConfig).
 FIELDS_0_7_0 = {

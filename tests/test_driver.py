@@ -148,7 +148,7 @@ def test_the_patch_wraps_verls_validate_config_with_the_expected_signature():
 @pytest.mark.slow
 @pytest.mark.needs_driver_validate_config  # verl 0.8's main_ppo calls validate_config in the TaskRunner, after ray.init
 def test_main_ppo_plain_override_bad_knob_fails_before_ray_starts(tiny_model_path):
-    """The issue's case: ``kl_cov_ratio=true`` as a plain override used to train with ratio 1.0."""
+    """A boolean knob: ``kl_cov_ratio=true`` as a plain override used to train with ratio 1.0."""
     argv = [sys.executable, "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=grpo",
             f"{PL}loss_mode=kl_cov_global", f"{PL}kl_cov_ratio=true",
             f"actor_rollout_ref.model.path={tiny_model_path}", "trainer.n_gpus_per_node=1", "trainer.device=cpu"]

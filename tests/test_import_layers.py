@@ -28,7 +28,7 @@ LAYERS = [
     ["plugin"],
     [""],  # the package itself (verl_klcov_global/__init__.py)
     ["worker_loader", "lab"],  # the harness: CPU platform, tiny models, the #7829 experiment, comparators
-    ["diagnose"],  # the command, on the harness (issue 40: lab/ was one room holding both)
+    ["diagnose"],  # the command, on the harness (before 0.8.0 it lived in lab/ with the harness)
     ["cli", "__main__"],
 ]
 #: Known upward edges, each with its reason.

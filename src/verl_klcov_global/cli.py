@@ -1,4 +1,5 @@
-"""Command line: ``verl-klcov-global diagnose`` (also ``python -m verl_klcov_global diagnose``)."""
+"""Command line: ``verl-klcov-global diagnose`` and ``verl-klcov-global prepare-model`` (also ``python -m
+verl_klcov_global ...``)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from .modes import MODES
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verl-klcov-global",
-        description=("KL-Cov whose token selection does not depend on the micro-batch size, and on the DP size only "
-                     "as far as the prepass log-probs do (README: What is guaranteed) (verl plugin)."),
+        description=("verl plugin: KL-Cov, Clip-Cov, the 80/20 rule, STARE and Lp-Reg with a token selection that does "
+                     "not depend on the micro-batch size, and on the DP size only as far as the prepass log-probs do "
+                     "(README: What is guaranteed). Commands: diagnose (does an update depend on the micro-batch "
+                     "size?) and prepare-model (a real pretrained LM for diagnose, converted once)."),
     )
     commands = parser.add_subparsers(dest="command", required=True)
     diagnose = commands.add_parser(
@@ -57,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batch-size", type=int, help="sequences in the minibatch (default 64)")
     add("--prompt-len", type=int, help="default 16 (random ids; sampled responses have their templated prompts' length)")
     add("--response-len", type=int, help="default 128 (sampled responses: the most new tokens, fewer where EOS comes)")
-    add("--kl-cov-ratio", type=float, help="default 0.0002")
-    add("--ppo-kl-coef", type=float, help="default 1.0")
+    add("--kl-cov-ratio", type=float, help="KL-Cov's quota fraction, policy_loss.kl_cov_ratio (default 0.0002)")
+    add("--ppo-kl-coef", type=float, help="KL-Cov's coefficient of |log pi - log pi_old|, policy_loss.ppo_kl_coef "
+        "(default 1.0; Lp-Reg's beta is lp_reg_kl_coef: --set lp_reg_kl_coef=...)")
     add("--loss-mode", metavar="NAME",
         help=f"what to diagnose: all (the default: every mode of the plugin's table), one of them "
              f"({', '.join(MODES)}), or any other loss in verl's POLICY_LOSS_REGISTRY, e.g. your own registered by "
@@ -108,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         "your training config",
         "Run diagnose on your own verl training config, composed as python -m verl.trainer.main_ppo composes it: "
         "micro-batching, log-prob inference settings, padding removal, strategy, dtype, loss aggregation, the "
-        "kl_cov/clip_cov knobs, the PPO clip range and the model path come from it; the minibatch shape from "
+        "policy_loss knobs of every mode, the PPO clip range and the model path come from it; the minibatch shape from "
         "ppo_mini_batch_size, rollout.n, the world size and data.max_*_length, scaled down to --max-tokens. "
         "Upstream and global modes: your micro-batching vs the whole minibatch in one micro-batch.",
     )

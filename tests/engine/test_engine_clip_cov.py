@@ -245,7 +245,7 @@ def test_sampled_mask_on_two_dp_ranks_is_the_single_rank_mask(tiny_model_path, p
 
 
 def test_metrics_of_a_clip_cov_global_step(tiny_model_path):
-    """Small minibatch (~10 s): every figure the issue names reaches verl's metrics, under actor/clip_cov/."""
+    """Small minibatch (~10 s): Clip-Cov's selection figures and timings reach verl's metrics, under actor/clip_cov/."""
     spec = EngineSpec(tiny_model_path)
     batch = frozen_minibatch(spec, 2, batch_size=8, prompt_len=8, response_len=32, micro_batch_size_per_gpu=4)
     outcome = one_update(spec, batch, actor_config("clip_cov_global", dict(SAMPLED, clip_cov_lb=0.0)),

@@ -77,7 +77,7 @@ class DiagnoseOptions:
     stare_w_max: float = 1.5
     stare_m_min: float = 0.5
     #: lp_reg_global's knobs, also its per-micro-batch comparator's (``lp_reg_per_micro_batch``): the authors' rho-,
-    #: rho+ and kappa (beta is ppo_kl_coef)
+    #: rho+ and kappa (beta is lp_reg_kl_coef, the config class's default unless --set lp_reg_kl_coef=...)
     lp_reg_neg_ratio: float = 0.01
     lp_reg_pos_ratio: float = 0.0
     lp_reg_min_p: float = 0.02

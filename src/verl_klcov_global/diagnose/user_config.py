@@ -4,7 +4,7 @@
 --config-name NAME [overrides]`` does (Hydra ``compose`` with the same search path).
 :func:`plan_from_config` reads from it what decides the #7829 experiment (micro-batching, log-prob
 inference layout, padding removal, strategy, dtype, loss aggregation, the policy-loss knobs of
-both plugin modes, the PPO clip range, the model path and the minibatch shape) and returns a
+every mode, the PPO clip range, the model path and the minibatch shape) and returns a
 :class:`ConfigPlan`: the :class:`~verl_klcov_global.diagnose.run.DiagnoseOptions` to run, one
 :class:`Setting` row per value with where it came from, how the minibatch was scaled to
 ``--max-tokens``, a note for every key diagnose cannot honour, and the driver's whole-config

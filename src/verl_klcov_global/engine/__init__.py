@@ -5,8 +5,14 @@
 * :mod:`.prepass` -- the no-grad forward (micro-batching, optimizer offload, RNG) and the mode's selection;
 * :mod:`.logprobs` -- the prepass's batched log-sum-exp numerics (PATCH ``prepass_batched_logsumexp``);
 * :mod:`.reuse` -- verl's own log-prob pass in place of a prepass where it was made with the same parameters
-  (PATCHES ``log_prob_pass_context``, ``log_prob_pass_keep``, ``weight_restore_bumps_version``).
+  (PATCHES ``log_prob_pass_context``, ``log_prob_pass_keep``, ``weight_restore_bumps_version``);
+* :mod:`.old_policy` -- ``prepass_layout=old``: pi_old's statistics of a minibatch, no forward;
+* :mod:`.control` -- the entropy controller's step per optimizer step, its state per engine;
+* :mod:`.batch_entropy`, :mod:`.schedule` -- a mode's once-per-trainer-step rule (STARE's gate) on the batch's
+  old-policy entropy from verl's log-prob pass;
+* :mod:`.proxy` -- Lp-Reg's proxy, computed in verl's log-prob pass (PATCH ``proxy_log_prob_in_pass``).
 
-Import order (top to bottom): patches -> step -> prepass -> logprobs, reuse; each may import the
-package's lower layers (modes, loss, layout, config, seams), never the plugin, the lab or the CLI.
+Import order (top to bottom): patches -> step -> prepass -> logprobs, reuse, old_policy, control, batch_entropy,
+schedule, proxy; each may import the package's lower layers (modes, loss, layout, config, seams), never the
+plugin, the lab or the CLI.
 """

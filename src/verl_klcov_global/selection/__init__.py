@@ -7,6 +7,9 @@
   current-policy entropy.
 * :mod:`.stare` -- STARE: the top ``stare_top_ratio`` fraction of each advantage sign's tokens by surprisal
   ``-log pi``.
+* :mod:`.lp_reg` -- Lp-Reg: the ``lp_reg_neg_ratio`` (``lp_reg_pos_ratio``) fraction of the negative-advantage
+  (positive-advantage) tokens with the lowest log-prob.
+* :mod:`.covariance` -- the covariance figures every covariance selection logs (``cov_mean``, ...).
 * :mod:`.collectives` -- what every selection shares: exact group-wide means and the
   agreement on the k largest keys, with an exchange that does not grow with k or N.
 * :mod:`.keys` -- sampling keys hashed from (seed, sequence tokens, position).

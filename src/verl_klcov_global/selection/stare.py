@@ -25,10 +25,10 @@ Determinism across splits: the selection is exact (:func:`.collectives.select_la
 order-preserving int64 keys) and the figures are 64-bit fixed-point sums on a scale fixed by group-wide figures
 only, so the mask and every figure are bit-identical for any data-parallel or micro-batch split of the minibatch.
 
-Communication per call (``W`` ranks): :func:`.collectives.agree_and_mean`'s all-gather of 5 float64 per rank and
+Communication per call (``W`` ranks): :func:`.collectives.agree_and_mean`'s all-gather of 6 float64 per rank and
 all-reduce of 2 int64; one all-reduce of 2 int64 (the sets' sizes); one :func:`.collectives.select_largest_keys`
-per set taken (at most 8 all-reduces of 256 bins and one collective of 8 bytes per rank each); one all-reduce of 3
-int64 (the surprisal sums). At most 24 collectives and about 16.5 KiB sent per rank, whatever ``k`` and ``N``.
+per set taken (at most 8 all-reduces of 256 bins and one collective of 8 bytes per rank each); one all-reduce of 2
+int64 (the surprisal sums). At most 22 collectives and 16,496 bytes sent per rank, whatever ``k`` and ``N``.
 """
 
 from __future__ import annotations
