@@ -13,6 +13,47 @@ from typing import Optional, Sequence
 from .modes import MODES
 
 
+def _knob_option_modes() -> list[tuple[str, object]]:
+    """(knob, its mode) for every knob of the table's modes that ``diagnose`` has an option of its own for (a
+    ``DiagnoseOptions`` field), in the table's order; ``prepass_layout`` is diagnose's own layout comparison."""
+    from .diagnose.run import DiagnoseOptions
+
+    fields = {f.name for f in dataclasses.fields(DiagnoseOptions)}
+    found: dict[str, object] = {}
+    for mode in MODES.values():
+        for knob in mode.knobs:
+            if knob in fields and knob != "prepass_layout":
+                found.setdefault(knob, mode)
+    return list(found.items())
+
+
+def _add_knob_options(add) -> None:
+    """``--kl-cov-ratio``, ``--stare-top-ratio``, ...: one option per knob of :func:`_knob_option_modes`, made from
+    the knob's config-class field (help, choices) and diagnose's default (:mod:`.diagnose.run`); each is the same
+    as ``--set KNOB=VALUE``."""
+    import re
+
+    from .diagnose.run import DIAGNOSE_DEPARTURES, DiagnoseOptions
+    from .knob_doc import default_of, doc_of
+
+    defaults = DiagnoseOptions()
+    for knob, mode in _knob_option_modes():
+        doc, value = doc_of(mode.config_class, knob), getattr(defaults, knob)
+        words = re.sub(r"\s*\(?\[[^\]]*\]\([^)]*\)\)?", "", doc.help).replace("`", "").replace("\\|", "|")
+        default = f"default {value}"
+        if knob in DIAGNOSE_DEPARTURES:
+            default += f": {DIAGNOSE_DEPARTURES[knob][1]}; the mode's default {default_of(mode.config_class, knob)}"
+        upstream = f" and its comparator {mode.upstream}" if mode.upstream else ""
+        help_text = f"{mode.name}{upstream}: {words} (policy_loss.{knob}; {default})"
+        flag = "--" + knob.replace("_", "-")
+        if isinstance(value, bool):
+            add(flag, action="store_true", help=help_text)
+        elif doc.choices:
+            add(flag, choices=list(doc.choices), help=help_text)
+        else:
+            add(flag, type=type(value), help=help_text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verl-klcov-global",
@@ -60,9 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batch-size", type=int, help="sequences in the minibatch (default 64)")
     add("--prompt-len", type=int, help="default 16 (random ids; sampled responses have their templated prompts' length)")
     add("--response-len", type=int, help="default 128 (sampled responses: the most new tokens, fewer where EOS comes)")
-    add("--kl-cov-ratio", type=float, help="KL-Cov's quota fraction, policy_loss.kl_cov_ratio (default 0.0002)")
-    add("--ppo-kl-coef", type=float, help="KL-Cov's coefficient of |log pi - log pi_old|, policy_loss.ppo_kl_coef "
-        "(default 1.0; Lp-Reg's beta is lp_reg_kl_coef: --set lp_reg_kl_coef=...)")
     add("--loss-mode", metavar="NAME",
         help=f"what to diagnose: all (the default: every mode of the plugin's table), one of them "
              f"({', '.join(MODES)}), or any other loss in verl's POLICY_LOSS_REGISTRY, e.g. your own registered by "
@@ -75,32 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
              "measurement, and print a table of them")
     add("--verbose", action="store_true",
         help="show verl's own warnings and logs (at import and while the engines work); hidden by default")
-    add("--clip-cov-ratio", type=float, help="Clip-Cov quota fraction (default 0.002; verl's default 0.0002)")
-    add("--clip-cov-lb", type=float,
-        help="Clip-Cov window's lower bound (default 0.3, for the tiny model's small covariances; verl's default 1.0)")
-    add("--clip-cov-ub", type=float, help="Clip-Cov window's upper bound (default 5)")
-    add("--clip-cov-seed", type=int, help="Clip-Cov's sampling seed, policy_loss.clip_cov_seed (default 0)")
-    add("--entropy-top-ratio", type=float,
-        help="high_entropy_global's rho, the fraction of tokens kept (default 0.2, the paper's); also the "
-             "per-micro-batch comparator's")
-    add("--stare-top-ratio", type=float,
-        help="stare_global's P, the fraction of each advantage sign's tokens weighted, by surprisal (default 0.1, "
-             "the paper's); also its per-micro-batch comparator's (stare_per_micro_batch), as are the next ones")
-    add("--stare-reweight-w", type=float, help="STARE's W on the surprising A > 0 tokens (default 1.1)")
-    add("--stare-reweight-m", type=float, help="STARE's M on the surprising A < 0 tokens, variant C2 (default 0.9)")
-    add("--stare-variant", choices=["O1", "C2"], help="O1 (W only; the default) or C2 (W and M)")
-    add("--stare-target-entropy", type=float,
-        help="stare_global's gate: the weights apply while the batch's mean entropy is below it (default 100: open "
-             "for any model; the comparator always runs with the gate open)")
-    add("--stare-adaptive", action="store_true", help="stare_global's adaptive W/M schedule (default off)")
-    add("--stare-alpha", type=float, help="the schedule's step (default 0.01)")
-    add("--stare-w-max", type=float, help="the schedule's upper bound of W (default 1.5)")
-    add("--stare-m-min", type=float, help="the schedule's lower bound of M (default 0.5)")
-    add("--lp-reg-neg-ratio", type=float,
-        help="lp_reg_global's rho-, the fraction of the A < 0 tokens regularised, by lowest probability (default 0.01, "
-             "the authors'); also its per-micro-batch comparator's (lp_reg_per_micro_batch), as are the next two")
-    add("--lp-reg-pos-ratio", type=float, help="Lp-Reg's rho+, the same for the A > 0 tokens (default 0: off)")
-    add("--lp-reg-min-p", type=float, help="Lp-Reg's kappa, the proxy's min-p threshold (default 0.02)")
+    _add_knob_options(add)
     add("--set", dest="set_knobs", action="append", metavar="KEY=VALUE",
         help="a knob of the mode(s) diagnosed, by its policy_loss key (ModeSpec.knobs), for any mode of the table, "
              "built-in or yours: e.g. --set rare_token_max_prob=0.3, --set stare_top_ratio=0.2 (the same as "
@@ -165,16 +178,7 @@ CONFIG_KEYS = {
     "batch_size": "actor_rollout_ref.actor.ppo_mini_batch_size, actor_rollout_ref.rollout.n, trainer.n_gpus_per_node",
     "prompt_len": "data.max_prompt_length",
     "response_len": "data.max_response_length",
-    "kl_cov_ratio": "actor_rollout_ref.actor.policy_loss.kl_cov_ratio",
-    "ppo_kl_coef": "actor_rollout_ref.actor.policy_loss.ppo_kl_coef",
-    "clip_cov_ratio": "actor_rollout_ref.actor.policy_loss.clip_cov_ratio",
-    "clip_cov_lb": "actor_rollout_ref.actor.policy_loss.clip_cov_lb",
-    "clip_cov_ub": "actor_rollout_ref.actor.policy_loss.clip_cov_ub",
-    "clip_cov_seed": "actor_rollout_ref.actor.policy_loss.clip_cov_seed",
-    "entropy_top_ratio": "actor_rollout_ref.actor.policy_loss.entropy_top_ratio",
-    **{knob: f"actor_rollout_ref.actor.policy_loss.{knob}" for knob in (
-        "stare_top_ratio", "stare_reweight_w", "stare_reweight_m", "stare_variant", "stare_adaptive", "stare_alpha",
-        "stare_w_max", "stare_m_min", "lp_reg_neg_ratio", "lp_reg_pos_ratio", "lp_reg_min_p")},
+    **{knob: f"actor_rollout_ref.actor.policy_loss.{knob}" for knob, _ in _knob_option_modes()},
     "strategy": "actor_rollout_ref.actor.strategy",
     "set_knobs": "actor_rollout_ref.actor.policy_loss.KEY",
 }

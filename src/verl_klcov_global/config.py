@@ -598,19 +598,20 @@ class GlobalModePolicyLossConfig(PrepassPolicyLossConfig):
              "([HOW_IT_WORKS](docs/HOW_IT_WORKS.md#entropy-on-target-the-controller))")
     entropy_control_ki: float = knob(
         DEFAULT_ENTROPY_CONTROL_KI, controller=True, row="gains", valid="finite, >= 0, not both 0",
-        help="the controller's integral and proportional gains (per optimizer step, in ln(ratio))")
-    entropy_control_kp: float = knob(DEFAULT_ENTROPY_CONTROL_KP, controller=True, row="gains", help="", valid="")
+        help="the controller's integral gain (per optimizer step, in ln(ratio))")
+    entropy_control_kp: float = knob(DEFAULT_ENTROPY_CONTROL_KP, controller=True, row="gains", valid="finite, >= 0",
+                                     help="the controller's proportional gain")
     entropy_control_min_ratio: float = knob(
         DEFAULT_COV_CONTROL_BOUNDS[0], controller=True, row="bounds", valid="0 < min < max <= 1",
-        help="bounds of the controlled ratio")
-    entropy_control_max_ratio: float = knob(DEFAULT_COV_CONTROL_BOUNDS[1], controller=True, row="bounds", help="",
-                                            valid="")
+        help="lower bound of the controlled ratio")
+    entropy_control_max_ratio: float = knob(DEFAULT_COV_CONTROL_BOUNDS[1], controller=True, row="bounds",
+                                            help="upper bound of the controlled ratio", valid="<= 1")
     entropy_control_horizon: float = knob(
         DEFAULT_ENTROPY_CONTROL_HORIZON, controller=True, row="horizon", valid="finite >= 0; whole >= 1",
-        help="the controller's error reads the entropy extrapolated `horizon` optimizer steps ahead along its trend "
-             "over `window` steps (0: the measured entropy)")
-    entropy_control_window: int = knob(DEFAULT_ENTROPY_CONTROL_WINDOW, controller=True, row="horizon", help="",
-                                       valid="")
+        help="the controller's error reads the entropy extrapolated this many optimizer steps ahead along its "
+             "trend (0: the measured entropy)")
+    entropy_control_window: int = knob(DEFAULT_ENTROPY_CONTROL_WINDOW, controller=True, row="horizon",
+                                       help="the trend's window, in optimizer steps", valid="whole >= 1")
 
     def validate_common_knobs(self) -> None:
         """``prepass_layout`` and the controller's knobs (ValueError naming the key, as the driver's check)."""
@@ -652,8 +653,8 @@ class ClipCovGlobalPolicyLossConfig(GlobalModePolicyLossConfig):
 
     VERL_KNOBS: ClassVar[dict[str, KnobDoc]] = {
         "clip_cov_ratio": KnobDoc("at most this fraction of valid tokens get their gradient cut", "finite, (0, 1]"),
-        "clip_cov_lb": KnobDoc("candidates: tokens with lb < cov < ub", "finite, lb < ub", row="window"),
-        "clip_cov_ub": KnobDoc("", "", row="window"),
+        "clip_cov_lb": KnobDoc("lb: the candidates are the tokens with lb < cov < ub", "finite, lb < ub", row="window"),
+        "clip_cov_ub": KnobDoc("ub, the window's upper bound", "finite, > lb", row="window"),
     }
     loss_mode: str = "clip_cov_global"
     clip_cov_seed: int = knob(DEFAULT_CLIP_COV_SEED, valid="integer in [0, 2^53)",
@@ -684,9 +685,9 @@ class HighEntropyGlobalPolicyLossConfig(GlobalModePolicyLossConfig):
         DEFAULT_ENTROPY_TOP_RATIO, valid="finite, (0, 1]", default_note=" (the paper's, 14B and 32B)",
         help=f"ρ: fraction {_RATIO_OF_MINIBATCH} that keep the PPO-clip loss, by current-policy entropy")
     entropy_control_min_ratio: float = knob(DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS[0], controller=True, row="bounds",
-                                            help="bounds of the controlled ratio", valid="0 < min < max <= 1")
+                                            help="lower bound of the controlled ratio", valid="0 < min < max <= 1")
     entropy_control_max_ratio: float = knob(DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS[1], controller=True, row="bounds",
-                                            help="", valid="")
+                                            help="upper bound of the controlled ratio", valid="<= 1")
 
     def __post_init__(self):
         _parent_post_init(self, HighEntropyGlobalPolicyLossConfig)
@@ -711,19 +712,21 @@ class StareGlobalPolicyLossConfig(PrepassPolicyLossConfig):
              "surprising (−log π)")
     stare_reweight_w: float = knob(
         DEFAULT_STARE_REWEIGHT_W, row="weights", valid="W >= 1; M in (0, 1]; `O1`/`C2`",
-        help="`O1`: those A > 0 tokens' loss × W; `C2`: also those A < 0 tokens' × M")
-    stare_reweight_m: float = knob(DEFAULT_STARE_REWEIGHT_M, row="weights", help="", valid="")
-    stare_variant: str = knob(DEFAULT_STARE_VARIANT, row="weights", help="", valid="")
+        help="W: the selected A > 0 tokens' loss × W")
+    stare_reweight_m: float = knob(DEFAULT_STARE_REWEIGHT_M, row="weights", valid="in (0, 1]",
+                                   help="M: in `C2` also the selected A < 0 tokens' loss × M")
+    stare_variant: str = knob(DEFAULT_STARE_VARIANT, row="weights", valid="`O1`/`C2`", choices=STARE_VARIANTS,
+                              help="the variant, `O1` (W only) or `C2` (W and M)")
     stare_target_entropy: float = knob(
         DEFAULT_STARE_TARGET_ENTROPY, valid="finite",
         help="gate: W and M apply while the trainer step's batch entropy (verl's `actor/entropy`) is below it "
              "([HOW_IT_WORKS](docs/HOW_IT_WORKS.md#stare-stare_global))")
     stare_adaptive: bool = knob(
         False, row="schedule", valid="bool; α >= 0; on: W <= w_max, M >= m_min",
-        help="schedule, per trainer step: W ± α within [1, w_max], M ∓ α within [m_min, 1]")
-    stare_alpha: float = knob(DEFAULT_STARE_ALPHA, row="schedule", help="", valid="")
-    stare_w_max: float = knob(DEFAULT_STARE_W_MAX, row="schedule", help="", valid="")
-    stare_m_min: float = knob(DEFAULT_STARE_M_MIN, row="schedule", help="", valid="")
+        help="the schedule, per trainer step: W ± α within [1, w_max], M ∓ α within [m_min, 1]")
+    stare_alpha: float = knob(DEFAULT_STARE_ALPHA, row="schedule", help="α, the schedule's step", valid=">= 0")
+    stare_w_max: float = knob(DEFAULT_STARE_W_MAX, row="schedule", help="w_max, its bound on W", valid=">= 1")
+    stare_m_min: float = knob(DEFAULT_STARE_M_MIN, row="schedule", help="m_min, its bound on M", valid="in (0, 1]")
 
     def __post_init__(self):
         _parent_post_init(self, StareGlobalPolicyLossConfig)
@@ -746,14 +749,15 @@ class LpRegGlobalPolicyLossConfig(PrepassPolicyLossConfig):
     loss_mode: str = "lp_reg_global"
     lp_reg_neg_ratio: float = knob(
         DEFAULT_LP_REG_NEG_RATIO, row="ratios", valid="finite, [0, 1], not both 0", default_note=" (the authors')",
-        help="ρ−, ρ+: fraction of the minibatch's valid A < 0 (A > 0) tokens, all DP ranks, with the lowest log π: "
-             "regularised where log π < log π_proxy")
-    lp_reg_pos_ratio: float = knob(DEFAULT_LP_REG_POS_RATIO, row="ratios", help="", valid="")
+        help="ρ−: fraction of the minibatch's valid A < 0 tokens, all DP ranks, with the lowest log π: regularised "
+             "where log π < log π_proxy")
+    lp_reg_pos_ratio: float = knob(DEFAULT_LP_REG_POS_RATIO, row="ratios", valid="finite, [0, 1]",
+                                   help="ρ+: the same for the A > 0 tokens")
     lp_reg_min_p: float = knob(
         DEFAULT_LP_REG_MIN_P, row="proxy", valid="κ in [0, 1); β >= 0", default_note=" (the authors')",
-        help="κ: the proxy keeps π_old's tokens with p >= κ·max p; β: weight of the KL to it (not verl's "
-             "`ppo_kl_coef`, which must stay 0.1; [HOW_IT_WORKS](docs/HOW_IT_WORKS.md#lp-reg-lp_reg_global))")
-    lp_reg_kl_coef: float = knob(DEFAULT_LP_REG_KL_COEF, row="proxy", help="", valid="")
+        help="κ: the proxy keeps π_old's tokens with p >= κ·max p ([HOW_IT_WORKS](docs/HOW_IT_WORKS.md#lp-reg-lp_reg_global))")
+    lp_reg_kl_coef: float = knob(DEFAULT_LP_REG_KL_COEF, row="proxy", valid="finite, >= 0",
+                                 help="β: weight of the KL to the proxy (not verl's `ppo_kl_coef`, which must stay 0.1)")
 
     def __post_init__(self):
         _parent_post_init(self, LpRegGlobalPolicyLossConfig)

@@ -20,21 +20,24 @@ KNOB = "verl_klcov_global_knob"
 @dataclass(frozen=True)
 class KnobDoc:
     """``help``: what the knob means; ``valid``: its valid values, in words; ``row``: knobs of one class that share
-    a label share one row of the README's table (the first one's help and valid values); ``default_note``: words
-    after the default (e.g. whose value it is); ``controller``: a knob of the entropy controller, which the mode
-    table lists apart (``diagnose`` gives it through its controller options)."""
+    a label share one row of the README's table (the first one's help and valid values stand for the row);
+    ``default_note``: words after the default (e.g. whose value it is); ``controller``: a knob of the entropy
+    controller, which the mode table lists apart (``diagnose`` gives it through its controller options);
+    ``choices``: the values a command line offers, where they are few."""
 
     help: str
     valid: str
     row: Optional[str] = None
     default_note: str = ""
     controller: bool = False
+    choices: tuple = ()
 
 
 def knob(default: Any, *, help: str, valid: str, row: Optional[str] = None, default_note: str = "",
-         controller: bool = False) -> Any:
+         controller: bool = False, choices: tuple = ()) -> Any:
     """A dataclass field for a plugin knob: ``default`` and its :class:`KnobDoc`."""
-    return dataclasses.field(default=default, metadata={KNOB: KnobDoc(help, valid, row, default_note, controller)})
+    return dataclasses.field(default=default,
+                             metadata={KNOB: KnobDoc(help, valid, row, default_note, controller, choices)})
 
 
 def doc_of(cls: type, name: str) -> Optional[KnobDoc]:

@@ -68,8 +68,10 @@ def _defaults(modes: list[ModeSpec], keys: list[str]) -> str:
 
 
 def _row(label: str, cls: type, keys: list[str], defaults: str) -> str:
+    """One row: the keys' helps joined, the first key's valid values and default note (they speak for the row)."""
     doc = doc_of(cls, keys[0])
-    return (f"| {label} | {', '.join(f'`{key}`' for key in keys)} | {doc.help} | {defaults}{doc.default_note} | "
+    meaning = "; ".join(doc_of(cls, key).help for key in keys)
+    return (f"| {label} | {', '.join(f'`{key}`' for key in keys)} | {meaning} | {defaults}{doc.default_note} | "
             f"{doc.valid} |")
 
 

@@ -40,6 +40,31 @@ from .errors import DiagnoseError
 
 INVARIANCE_FACTOR = 10.0  # a global mode must stay within this many times the control's noise floor
 
+#: Where diagnose's default for a knob departs from the mode's own, its value and why: the one place these are
+#: written (``--help`` states each; the report's knobs line shows the values used).
+DIAGNOSE_DEPARTURES = {
+    "ppo_kl_coef": (1.0, "the KL-Cov paper's coefficient (the packaged kl_cov_global.yaml's); verl's field is 0.1"),
+    "clip_cov_ratio": (0.002, "ten times verl's 0.0002: a quota above 1 token on the tiny model's minibatch"),
+    "clip_cov_lb": (0.3, "almost no covariance of the tiny random model exceeds verl's 1.0, whose window would "
+                         "leave nothing to select"),
+    "stare_target_entropy": (100.0, "above any model's entropy: the gate is open and the weights apply in the one "
+                                    "update per layout, as in the per-micro-batch comparator, which has no gate"),
+}
+
+
+def knob_default(knob: str):
+    """diagnose's default for a knob of the table's built-in modes: :data:`DIAGNOSE_DEPARTURES`'s value, else the
+    default of the first built-in mode's config class that has the knob."""
+    if knob in DIAGNOSE_DEPARTURES:
+        return DIAGNOSE_DEPARTURES[knob][0]
+    from ..knob_doc import default_of, knob_names
+    from ..modes import MODES
+
+    for mode in MODES.values():
+        if mode.config_class is not None and knob in knob_names(mode.config_class):
+            return default_of(mode.config_class, knob)
+    raise KeyError(f"{knob} is no knob of a mode with a config class")
+
 
 @dataclass(frozen=True)
 class DiagnoseOptions:
@@ -53,34 +78,31 @@ class DiagnoseOptions:
     batch_size: int = 64
     prompt_len: int = 16
     response_len: int = 128
-    kl_cov_ratio: float = 0.0002
-    ppo_kl_coef: float = 1.0
+    #: the table's knobs that diagnose has an option of its own for (``--kl-cov-ratio``, ...: made from these
+    #: fields, cli.py): each the mode's default, or diagnose's where :data:`DIAGNOSE_DEPARTURES` says so; the
+    #: per-micro-batch comparators read the same values
+    kl_cov_ratio: float = knob_default("kl_cov_ratio")
+    ppo_kl_coef: float = knob_default("ppo_kl_coef")
     strategy: str = "fsdp"
     json_path: Optional[str] = None
     loss_mode: str = "all"
-    clip_cov_ratio: float = 0.002
-    clip_cov_lb: float = 0.3
-    clip_cov_ub: float = 5.0
-    clip_cov_seed: int = 0
-    #: high_entropy_global's rho (the fraction of tokens kept), also its per-micro-batch comparator's
-    entropy_top_ratio: float = 0.2
-    #: stare_global's knobs, also its per-micro-batch comparator's (``stare_per_micro_batch``): the paper's P, W, M
-    #: and variant; the gate's target far above any model's entropy (ln of its vocabulary), so the gate is open and
-    #: the weights apply in the one update per layout (the comparator always runs with the gate open)
-    stare_top_ratio: float = 0.1
-    stare_reweight_w: float = 1.1
-    stare_reweight_m: float = 0.9
-    stare_variant: str = "O1"
-    stare_target_entropy: float = 100.0
-    stare_adaptive: bool = False
-    stare_alpha: float = 0.01
-    stare_w_max: float = 1.5
-    stare_m_min: float = 0.5
-    #: lp_reg_global's knobs, also its per-micro-batch comparator's (``lp_reg_per_micro_batch``): the authors' rho-,
-    #: rho+ and kappa (beta is lp_reg_kl_coef, the config class's default unless --set lp_reg_kl_coef=...)
-    lp_reg_neg_ratio: float = 0.01
-    lp_reg_pos_ratio: float = 0.0
-    lp_reg_min_p: float = 0.02
+    clip_cov_ratio: float = knob_default("clip_cov_ratio")
+    clip_cov_lb: float = knob_default("clip_cov_lb")
+    clip_cov_ub: float = knob_default("clip_cov_ub")
+    clip_cov_seed: int = knob_default("clip_cov_seed")
+    entropy_top_ratio: float = knob_default("entropy_top_ratio")
+    stare_top_ratio: float = knob_default("stare_top_ratio")
+    stare_reweight_w: float = knob_default("stare_reweight_w")
+    stare_reweight_m: float = knob_default("stare_reweight_m")
+    stare_variant: str = knob_default("stare_variant")
+    stare_target_entropy: float = knob_default("stare_target_entropy")
+    stare_adaptive: bool = knob_default("stare_adaptive")
+    stare_alpha: float = knob_default("stare_alpha")
+    stare_w_max: float = knob_default("stare_w_max")
+    stare_m_min: float = knob_default("stare_m_min")
+    lp_reg_neg_ratio: float = knob_default("lp_reg_neg_ratio")
+    lp_reg_pos_ratio: float = knob_default("lp_reg_pos_ratio")
+    lp_reg_min_p: float = knob_default("lp_reg_min_p")
     # Set by ``--config-name`` (diagnose/user_config.py); the defaults are diagnose's own behaviour.
     #: the N-micro-batch layout given directly (static: sequences per micro-batch; dynamic: token
     #: budget) instead of derived from ``micro_batches``, which then only names it
