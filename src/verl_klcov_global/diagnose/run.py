@@ -161,6 +161,14 @@ def validate(options: DiagnoseOptions, explicit: tuple = ()) -> DiagnoseOptions:
     """Check every option up front; raise :class:`DiagnoseError` saying what to change (a
     :class:`~.knobs.ModeCannotRunError` when a mode's own code raised). Returns the options with ``--set``'s keys
     folded (:func:`.knobs.fold_set_knobs`; ``explicit``: the options given on the command line)."""
+    _validate_model_and_device(options)
+    options = _validate_modes(options, explicit)
+    _validate_shape(options)
+    return options
+
+
+def _validate_model_and_device(options: DiagnoseOptions) -> None:
+    """The model, its responses, the device and the dtype."""
     if options.model is not None:
         if not os.path.isdir(options.model):
             raise DiagnoseError(f"--model {options.model!r}: no such directory (give a local HF checkpoint folder)")
@@ -190,6 +198,10 @@ def validate(options: DiagnoseOptions, explicit: tuple = ()) -> DiagnoseOptions:
             raise DiagnoseError("--device cuda: no CUDA device is visible; use --device cpu")
     if options.dtype not in ("fp32", "bf16"):
         raise DiagnoseError(f"--dtype must be fp32 or bf16, got {options.dtype!r}")
+
+def _validate_modes(options: DiagnoseOptions, explicit: tuple) -> DiagnoseOptions:
+    """The loss mode(s) diagnosed: ``--set`` folded, then every mode's config class and settings reader run on
+    diagnose's knobs (a bad knob: :class:`DiagnoseError`; a mode's own code raising: ``ModeCannotRunError``)."""
     from .user_losses import check_loss_mode
 
     if options.all_registered and options.loss_mode != "all":
@@ -236,6 +248,11 @@ def validate(options: DiagnoseOptions, explicit: tuple = ()) -> DiagnoseOptions:
     except Exception as error:  # the user's policy_loss config class (Hydra instantiate): say which
         raise DiagnoseError(f"cannot build the policy_loss config of {options.loss_mode!r} from "
                             f"{options.policy_loss}: {type(error).__name__}: {error}") from None
+    return options
+
+
+def _validate_shape(options: DiagnoseOptions) -> None:
+    """The strategy, the minibatch's shape, the micro-batch layout and the report's folder."""
     if options.strategy not in ("fsdp", "fsdp2"):
         raise DiagnoseError(f"--strategy must be fsdp or fsdp2, got {options.strategy!r}")
     if options.blocks < 1:
@@ -267,7 +284,6 @@ def validate(options: DiagnoseOptions, explicit: tuple = ()) -> DiagnoseOptions:
         folder = os.path.dirname(os.path.abspath(options.json_path))
         if not os.path.isdir(folder):
             raise DiagnoseError(f"--json {options.json_path!r}: folder {folder!r} does not exist")
-    return options
 
 
 def has_chat_template(folder: str) -> bool:
@@ -424,12 +440,7 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
 
     from . import measured as _measured
     from ..lab import tiny as _tiny
-    from ..modes import MODES
-    from ..lab.experiment import (
-        PEAKED_LM_HEAD_SCALE, PEAKED_POLICY_SUFFIX, TRAIN_LAYOUT_SUFFIX, EngineSpec, compared_modes, frozen_minibatch,
-        largest_divisor_at_most, run_block, sample_peaked_blocks,
-    )
-    from .knobs import mode_failure
+    from ..lab.experiment import PEAKED_POLICY_SUFFIX
 
     options = validate(resolve_model(options, progress), explicit)
     measured = measured_losses_of(options)
@@ -444,14 +455,7 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
                    else None)
         seq_len = (max(b.prompts.shape[1] + b.responses.shape[1] for b in sampled) if sampled
                    else options.prompt_len + options.response_len)
-        spec = EngineSpec(
-            model_path, strategy=options.strategy, dtype=options.dtype, device=device,
-            use_remove_padding=options.use_remove_padding, gradient_checkpointing=options.gradient_checkpointing,
-            infer_micro_batch_size_per_gpu=(options.infer_micro_batch_size_per_gpu
-                                            or largest_divisor_at_most(options.batch_size, 16)),
-            infer_max_token_len_per_gpu=options.infer_max_token_len_per_gpu or max(4096, seq_len),
-            **({"clip_grad": _measured.MEASURED_CLIP_GRAD} if measured else {}),
-        )
+        spec = _engine_spec(options, model_path, seq_len, device, measured)
         layouts = (sampled_dynamic_layouts(options, sampled) if sampled and options.layout == "dynamic"
                    and not options.explicit_layout else layouts_of(options, seq_len))
         peaked_globals = peaked_policy_modes(options)
@@ -459,14 +463,8 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
         peaked_spec, peaked_samples = None, None
         if peaked_globals:  # the same shape as the random-id minibatches: the same layouts
             with quiet():
-                peaked_spec = replace(spec, model_path=_tiny.build_peaked_model(
-                    os.path.join(scratch, "peaked"), model_path, PEAKED_LM_HEAD_SCALE))
-                progress(f"sampling {options.blocks} x {options.batch_size} responses of {options.response_len} tokens "
-                         f"from the peaked policy ({', '.join(peaked_globals)})")
-                peaked_samples = sample_peaked_blocks(
-                    peaked_spec.model_path, [options.seed + block for block in range(options.blocks)],
-                    batch_size=options.batch_size, prompt_len=options.prompt_len, response_len=options.response_len,
-                    vocab_size=vocab_size)
+                peaked_spec, peaked_samples = _peaked_policy(options, spec, os.path.join(scratch, "peaked"),
+                                                             vocab_size, peaked_globals, progress)
 
         running = {"mode": None}  # the name being updated: a failure is reported as that mode's
 
@@ -486,52 +484,18 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
                 return _measured.run_measured_block(spec, batch, layouts, actor_config_for, measured, failed,
                                                     progress=report_step)
         else:
-            def rows_of(global_modes) -> tuple[str, ...]:
-                rows = tuple(dict.fromkeys(m for g in global_modes for m in compared_modes(g)))
-                if options.prepass_layout == "train" or not options.compare_prepass_layouts:
-                    rows = tuple(m for m in rows if not m.endswith(TRAIN_LAYOUT_SUFFIX))
-                return rows
-
-            plain_globals = tuple(g for g in global_modes_of(options) if g not in peaked_globals)
-            modes = rows_of(plain_globals) if plain_globals else ()
-            # the peaked policy's rows: their own control first, then the modes' and comparators' rows
-            peaked_modes = tuple(peaked_control if m == "vanilla" else m for m in rows_of(peaked_globals))
-            drawn = {name for spec in MODES.values() if spec.draws_at_random for name in (spec.name, spec.upstream)}
-            repeat_modes = tuple(m for m in modes + peaked_modes if m in drawn)
-
-            def updates() -> int:
-                return 2 * (len(modes) + len(peaked_modes)) + len(repeat_modes)
-
-            def run(batch, peaked_batch, report_step) -> dict:
-                results = {}
-                try:
-                    groups = ((spec, batch, modes), (peaked_spec, peaked_batch, peaked_modes))
-                    for engine_spec, minibatch, rows in groups:
-                        if rows:
-                            results.update(run_block(engine_spec, minibatch, layouts, actor_config_for, modes=rows,
-                                                     repeat_modes=repeat_modes, progress=report_step))
-                except DiagnoseError:
-                    raise
-                except Exception as error:  # exit 2 with the mode and stage, never 1 (which means: measured)
-                    raise mode_failure(running["mode"] or "diagnose", error) from None
-                return {mode: asdict(result) for mode, result in results.items()}
+            modes, peaked_modes, updates, run = _table_runner(options, spec, peaked_spec, layouts, peaked_globals,
+                                                              peaked_control, actor_config_for, running)
 
         blocks = []
         for block in range(options.blocks):
             seed = options.seed + block
             prefix = f"[block {block + 1}/{options.blocks}]"
             progress(f"{prefix} building the frozen minibatch (seed {seed})")
-            tokens = {} if sampled is None else dict(tokens=sampled[block].tokens(), temperature=options.temperature,
-                                                      group_size=options.samples_per_prompt)
-            batch = peaked_batch = None
             with quiet():
-                if measured or modes:
-                    batch = frozen_minibatch(
-                        spec, seed, batch_size=options.batch_size, prompt_len=options.prompt_len,
-                        response_len=options.response_len, vocab_size=vocab_size, **tokens,
-                    )
-                if peaked_spec is not None:  # the update's forward at temperature 1, as the random-id rows'
-                    peaked_batch = frozen_minibatch(peaked_spec, seed, tokens=peaked_samples[block].tokens())
+                batch, peaked_batch = _minibatches(
+                    options, spec, seed, vocab_size, None if sampled is None else sampled[block],
+                    bool(measured or modes), peaked_spec, None if peaked_spec is None else peaked_samples[block])
             step = {"n": 0, "of": updates()}
 
             def report_step(message, prefix=prefix, step=step):
@@ -564,6 +528,98 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
     if options.json_path:
         _write_json_atomically(options.json_path, report)
     return report
+
+
+def _minibatches(options: DiagnoseOptions, spec, seed: int, vocab_size: int, sampled, plain: bool, peaked_spec,
+                 peaked_sample):
+    """One block's frozen minibatches: the options' (random ids, or ``sampled``'s responses; None unless ``plain``)
+    and the peaked policy's (None without one; its update's forward at temperature 1, as the random-id rows')."""
+    from ..lab.experiment import frozen_minibatch
+
+    tokens = {} if sampled is None else dict(tokens=sampled.tokens(), temperature=options.temperature,
+                                              group_size=options.samples_per_prompt)
+    batch = peaked_batch = None
+    if plain:
+        batch = frozen_minibatch(spec, seed, batch_size=options.batch_size, prompt_len=options.prompt_len,
+                                 response_len=options.response_len, vocab_size=vocab_size, **tokens)
+    if peaked_spec is not None:
+        peaked_batch = frozen_minibatch(peaked_spec, seed, tokens=peaked_sample.tokens())
+    return batch, peaked_batch
+
+
+def _engine_spec(options: DiagnoseOptions, model_path: str, seq_len: int, device: str, measured):
+    """The engine of every update: the options' strategy, dtype, padding and log-prob inference layout (by default
+    the largest divisor of the batch up to 16 sequences, or 4,096 tokens or one sequence); a loss judged by
+    measurement without gradient clipping (:mod:`.measured`)."""
+    from . import measured as _measured
+    from ..lab.experiment import EngineSpec, largest_divisor_at_most
+
+    return EngineSpec(
+        model_path, strategy=options.strategy, dtype=options.dtype, device=device,
+        use_remove_padding=options.use_remove_padding, gradient_checkpointing=options.gradient_checkpointing,
+        infer_micro_batch_size_per_gpu=(options.infer_micro_batch_size_per_gpu
+                                        or largest_divisor_at_most(options.batch_size, 16)),
+        infer_max_token_len_per_gpu=options.infer_max_token_len_per_gpu or max(4096, seq_len),
+        **({"clip_grad": _measured.MEASURED_CLIP_GRAD} if measured else {}),
+    )
+
+
+def _peaked_policy(options: DiagnoseOptions, spec, folder: str, vocab_size: int, peaked_globals, progress):
+    """The peaked policy's engine spec (the tiny model with its LM head scaled, saved in ``folder``) and its
+    responses, one block per seed, at the random-id minibatches' shape."""
+    from ..lab import tiny as _tiny
+    from ..lab.experiment import PEAKED_LM_HEAD_SCALE, sample_peaked_blocks
+
+    peaked_spec = replace(spec, model_path=_tiny.build_peaked_model(folder, spec.model_path, PEAKED_LM_HEAD_SCALE))
+    progress(f"sampling {options.blocks} x {options.batch_size} responses of {options.response_len} tokens "
+             f"from the peaked policy ({', '.join(peaked_globals)})")
+    samples = sample_peaked_blocks(
+        peaked_spec.model_path, [options.seed + block for block in range(options.blocks)],
+        batch_size=options.batch_size, prompt_len=options.prompt_len, response_len=options.response_len,
+        vocab_size=vocab_size)
+    return peaked_spec, samples
+
+
+def _table_runner(options: DiagnoseOptions, spec, peaked_spec, layouts, peaked_globals, peaked_control,
+                  actor_config_for, running: dict):
+    """The rows of the table's modes (on the options' minibatch, and the peaked policy's rows with their own
+    control), the number of updates per block, and ``run(batch, peaked_batch, report_step)``, one block's results.
+
+    A mode that raises is exit 2 with the mode and the stage, never 1 (which means: measured)."""
+    from ..lab.experiment import TRAIN_LAYOUT_SUFFIX, compared_modes, run_block
+    from ..modes import MODES
+    from .knobs import mode_failure
+
+    def rows_of(global_modes) -> tuple[str, ...]:
+        rows = tuple(dict.fromkeys(m for g in global_modes for m in compared_modes(g)))
+        if options.prepass_layout == "train" or not options.compare_prepass_layouts:
+            rows = tuple(m for m in rows if not m.endswith(TRAIN_LAYOUT_SUFFIX))
+        return rows
+
+    plain_globals = tuple(g for g in global_modes_of(options) if g not in peaked_globals)
+    modes = rows_of(plain_globals) if plain_globals else ()
+    # the peaked policy's rows: their own control first, then the modes' and comparators' rows
+    peaked_modes = tuple(peaked_control if m == "vanilla" else m for m in rows_of(peaked_globals))
+    drawn = {name for mode in MODES.values() if mode.draws_at_random for name in (mode.name, mode.upstream)}
+    repeat_modes = tuple(m for m in modes + peaked_modes if m in drawn)
+
+    def updates() -> int:
+        return 2 * (len(modes) + len(peaked_modes)) + len(repeat_modes)
+
+    def run(batch, peaked_batch, report_step) -> dict:
+        results = {}
+        try:
+            for engine_spec, minibatch, rows in ((spec, batch, modes), (peaked_spec, peaked_batch, peaked_modes)):
+                if rows:
+                    results.update(run_block(engine_spec, minibatch, layouts, actor_config_for, modes=rows,
+                                             repeat_modes=repeat_modes, progress=report_step))
+        except DiagnoseError:
+            raise
+        except Exception as error:
+            raise mode_failure(running["mode"] or "diagnose", error) from None
+        return {mode: asdict(result) for mode, result in results.items()}
+
+    return modes, peaked_modes, updates, run
 
 
 def sampled_dynamic_layouts(options: DiagnoseOptions, sampled: list):

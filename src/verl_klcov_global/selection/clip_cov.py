@@ -147,6 +147,43 @@ def validate_clip_ratio(value: Any, key: str) -> float:
 clip_cov_quota = ratio_quota
 
 
+def _check_shapes(advantages, log_probs, old_log_probs, response_mask, token_ids, token_mask) -> None:
+    """ValueError unless the per-token tensors are (batch, response_len) alike and ``token_ids`` (``token_mask``) are
+    integer (batch, length); checked before any collective: a rank raising later, in the draw, would leave the
+    others waiting."""
+    shape = advantages.shape
+    if not (shape == log_probs.shape == old_log_probs.shape == response_mask.shape) or advantages.dim() != 2:
+        raise ValueError(
+            "advantages, log_probs, old_log_probs and response_mask must be 2-D tensors of the same shape "
+            f"(batch, response_len); got {tuple(advantages.shape)}, {tuple(log_probs.shape)}, "
+            f"{tuple(old_log_probs.shape)}, {tuple(response_mask.shape)}"
+        )
+    if token_ids.dim() != 2 or token_ids.shape[0] != shape[0] or token_ids.is_floating_point():
+        raise ValueError(f"token_ids must be integer (batch={shape[0]}, length), got {token_ids.dtype} "
+                         f"{tuple(token_ids.shape)}")
+    if token_mask is not None and token_mask.shape != token_ids.shape:
+        raise ValueError(f"token_mask must have the shape of token_ids {tuple(token_ids.shape)}, "
+                         f"got {tuple(token_mask.shape)}")
+
+
+def _seeded_draw(candidates: torch.Tensor, k: int, num_candidates: int, seed: int, token_ids: torch.Tensor,
+                 token_mask: Optional[torch.Tensor], group) -> tuple[torch.Tensor, int]:
+    """``k`` of the group's ``num_candidates`` candidates (this rank's: the bool (batch, response_len)
+    ``candidates``), those with the largest keys hashed from (``seed``, the sequence's token ids, the position):
+    this rank's mask of the chosen and the rounds the agreement took (collective)."""
+    rows, columns = candidates.nonzero(as_tuple=True)  # row-major: ties keep (row, position) order
+    hashed_rows, row_of = torch.unique(rows, return_inverse=True)
+    # only the rows with candidates are hashed, on the inputs' device (token ids may live on the host)
+    row_ids = token_ids[hashed_rows.to(token_ids.device)].to(rows.device)
+    row_mask = None if token_mask is None else token_mask[hashed_rows.to(token_mask.device)].to(rows.device)
+    high_half, low_half = sequence_hashes(row_ids, row_mask)
+    keys = token_keys(seed, (high_half[row_of], low_half[row_of]), columns)
+    top = select_largest_keys(keys, torch.ones_like(keys, dtype=torch.bool), k, num_candidates, group)
+    mask = torch.zeros_like(candidates)
+    mask[rows[top.mask], columns[top.mask]] = True
+    return mask, top.rounds
+
+
 def select_clip_cov_tokens(
     advantages: torch.Tensor,
     log_probs: torch.Tensor,
@@ -189,20 +226,7 @@ def select_clip_cov_tokens(
     low = validate_clip_ratio(clip_ratio_low, "clip_ratio_low")
     high = validate_clip_ratio(clip_ratio_high, "clip_ratio_high")
     seed = validate_clip_cov_seed(seed)
-    shape = advantages.shape
-    if not (shape == log_probs.shape == old_log_probs.shape == response_mask.shape) or advantages.dim() != 2:
-        raise ValueError(
-            "advantages, log_probs, old_log_probs and response_mask must be 2-D tensors of the same shape "
-            f"(batch, response_len); got {tuple(advantages.shape)}, {tuple(log_probs.shape)}, "
-            f"{tuple(old_log_probs.shape)}, {tuple(response_mask.shape)}"
-        )
-    # checked here, before any collective: a rank raising later, in the draw, would leave the others waiting
-    if token_ids.dim() != 2 or token_ids.shape[0] != shape[0] or token_ids.is_floating_point():
-        raise ValueError(f"token_ids must be integer (batch={shape[0]}, length), got {token_ids.dtype} "
-                         f"{tuple(token_ids.shape)}")
-    if token_mask is not None and token_mask.shape != token_ids.shape:
-        raise ValueError(f"token_mask must have the shape of token_ids {tuple(token_ids.shape)}, "
-                         f"got {tuple(token_mask.shape)}")
+    _check_shapes(advantages, log_probs, old_log_probs, response_mask, token_ids, token_mask)
 
     a, lp, old = (x.detach() if x.is_floating_point() else x.detach().to(torch.float64)
                   for x in (advantages, log_probs, old_log_probs))
@@ -235,18 +259,7 @@ def select_clip_cov_tokens(
     if k == num_candidates:  # every candidate fits: no draw (the same branch on every rank)
         mask = candidates
     else:
-        rows, columns = candidates.nonzero(as_tuple=True)  # row-major: ties keep (row, position) order
-        hashed_rows, row_of = torch.unique(rows, return_inverse=True)
-        # only the rows with candidates are hashed, on the inputs' device (token ids may live on the host)
-        row_ids = token_ids[hashed_rows.to(token_ids.device)].to(rows.device)
-        row_mask = None if token_mask is None else token_mask[hashed_rows.to(token_mask.device)].to(rows.device)
-        high_half, low_half = sequence_hashes(row_ids, row_mask)
-        keys = token_keys(seed, (high_half[row_of], low_half[row_of]), columns)
-        top = select_largest_keys(keys, torch.ones_like(keys, dtype=torch.bool), k, num_candidates, group)
-        chosen = top.mask
-        mask = torch.zeros_like(candidates)
-        mask[rows[chosen], columns[chosen]] = True
-        rounds = top.rounds
+        mask, rounds = _seeded_draw(candidates, k, num_candidates, seed, token_ids, token_mask, group)
         chosen_sums = local_covariance_sums(cov, valid, mask, bound, means.num_valid)[2:]
         cov_sums = torch.cat([cov_sums[:2], all_reduce(chosen_sums, dist.ReduceOp.SUM, group)])
     return ClipCovSelection(
