@@ -73,7 +73,8 @@ def diagnose_table(diagnose: dict) -> str:
             {None: "-", True: "identical", False: "DIFFER"}[figures[mode]["masks_identical"]],
             ", ".join(f"{r:.2f}" for r in ratios),
             ", ".join(f"{r:.3g}" for r in up) if up else "-",
-            ", ".join(f"{d:.1e}" for d in figures["vanilla"]["max_param_diff"]),
+            # a mode whose rows ran on diagnose's peaked policy has its own control (report["controls"])
+            ", ".join(f"{d:.1e}" for d in figures[report.get("controls", {}).get(mode, "vanilla")]["max_param_diff"]),
             "INVARIANT" if report["invariant"] else "NOT invariant", report.get("seconds"),
         ])
     return table(["mode", "dtype", "blocks", "masks (1 vs N micro-batches)", "max|dθ| / control",
