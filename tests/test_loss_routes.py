@@ -132,20 +132,10 @@ def test_one_engine_update_per_route_gives_identical_parameters(mode, tiny_model
     """One update of the same minibatch through verl's FSDP engine, with the ``policy_loss`` each route converts to
     (nothing set): identical parameters. On a peaked tiny model (LM head x 6), so that Lp-Reg's proxy cuts a tail and
     beta acts on regularised tokens (with verl's 0.1 on one route this update differed from the other's)."""
-    from transformers import AutoModelForCausalLM
-
     from verl_klcov_global.lab import tiny as _tiny
     from verl_klcov_global.lab.experiment import EngineSpec, dynamic_layouts, frozen_minibatch, one_update
 
-    import shutil
-
-    peaked = str(tmp_path / "peaked")
-    shutil.copytree(tiny_model_path, peaked)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(6.0)
-    model.save_pretrained(peaked)
-    spec = EngineSpec(peaked)
+    spec = EngineSpec(_tiny.build_peaked_model(str(tmp_path / "peaked"), tiny_model_path, 6.0))
     batch = frozen_minibatch(spec, 0, batch_size=32, prompt_len=8, response_len=48, vary_lengths=True)
     layout = dynamic_layouts(32, 56, 4)[1]
     # Lp-Reg: tests/engine/test_engine_lp_reg.py's knobs, whose kappa cuts a tail of the peaked model with selected
