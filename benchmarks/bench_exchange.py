@@ -88,7 +88,8 @@ def _worker(rank: int, world_size: int, port: int, cases: list[tuple[int, float]
         tune_malloc()
     torch.set_num_threads(1)
     from verl_klcov_global.lab.cpu import init_process_group_cpu
-    from verl_klcov_global.selection import collectives, select_kl_cov_tokens
+    from verl_klcov_global.selection import collectives
+    from verl_klcov_global.methods.kl_cov.selection import select_kl_cov_tokens
 
     from tests.support import legacy_selection
 

@@ -64,7 +64,7 @@ def functions(engine, batch) -> dict[str, Callable[[], Any]]:
     from verl.workers.utils.padding import no_padding_2_padding
 
     from verl_klcov_global.engine.prepass import compute_prepass_log_probs_and_entropy
-    from verl_klcov_global.modes import HIGH_ENTROPY
+    from verl_klcov_global.methods.high_entropy.row import HIGH_ENTROPY
 
     settings = HIGH_ENTROPY.read_settings(_actor_config(MODE))
     config = engine.engine_config

@@ -66,7 +66,7 @@ def make_tensors(num_valid: int, seed: int = 0, device: str = "cpu"):
 def load_selection(path: Optional[str]) -> Callable:
     """``select_kl_cov_tokens`` of the installed package, or of a selection.py at ``path`` (a candidate patch)."""
     if not path:
-        from verl_klcov_global.selection import select_kl_cov_tokens
+        from verl_klcov_global.methods.kl_cov.selection import select_kl_cov_tokens
 
         return select_kl_cov_tokens
     spec = importlib.util.spec_from_file_location("_candidate_selection", path)

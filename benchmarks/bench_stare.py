@@ -40,7 +40,7 @@ KNOBS = dict(stare_top_ratio=0.1, stare_variant="C2", stare_target_entropy=100.0
 def _actor_config(mode: str):
     from verl_klcov_global.config import StareGlobalPolicyLossConfig
     from verl_klcov_global.lab import tiny as _tiny
-    from verl_klcov_global.lab.per_micro_batch import StarePerMicroBatchPolicyLossConfig
+    from verl_klcov_global.methods.stare.authors import StarePerMicroBatchPolicyLossConfig
 
     if mode == "stare_global":
         return _tiny.make_actor_config(policy_loss=StareGlobalPolicyLossConfig(**KNOBS))
@@ -55,8 +55,9 @@ def run(*, reps: int, warmup: int, model_dir: str) -> dict[str, Any]:
     from verl_klcov_global.engine import reuse
     from verl_klcov_global.lab import per_micro_batch
     from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch, hold_old_policy_pass, static_layouts
+    from verl_klcov_global.methods.stare.authors import COMPARATOR
 
-    per_micro_batch.register_stare_comparator()
+    per_micro_batch.register(COMPARATOR)
     spec = EngineSpec(model_dir)
     batch = frozen_minibatch(spec, SEED, batch_size=BATCH, prompt_len=PROMPT, response_len=RESPONSE)
     batch = static_layouts(BATCH, MICRO_BATCHES)[1].apply(batch)

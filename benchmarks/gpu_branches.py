@@ -205,7 +205,7 @@ def _check_selection_over_group(phase: Phase, engine, batch, log_probs: torch.Te
 
     from verl_klcov_global import layout
     from verl_klcov_global.lab import tiny as _tiny
-    from verl_klcov_global.selection import kl_cov_quota, select_kl_cov_tokens
+    from verl_klcov_global.methods.kl_cov.selection import kl_cov_quota, select_kl_cov_tokens
 
     ratio = 0.02
     config = _tiny.make_actor_config(loss_mode="kl_cov_global", kl_cov_ratio=ratio, ppo_kl_coef=1.0)

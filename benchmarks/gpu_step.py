@@ -288,7 +288,8 @@ def _actor_config(mode_name: str, sizes):
 def _operations(engine, batch, sizes, modes: list[str], figures: Figures) -> dict[str, Callable[[], Any]]:
     """The measured operations by name: compute_log_prob, each kind of prepass, and one training step per mode."""
     from verl_klcov_global.engine import prepass as engine_prepass
-    from verl_klcov_global.modes import KL_COV, MODES
+    from verl_klcov_global.modes import MODES
+    from verl_klcov_global.methods.kl_cov.row import KL_COV
 
     configs = {mode: _actor_config(mode, sizes) for mode in modes}
     prepass_modes = {KL_COV.name: KL_COV}

@@ -15,7 +15,7 @@
 #      low_var_kl, the script's kl_type).
 # Each value's source is noted [recipe] (from that script) or [ours].
 #
-# Where this differs from the fork (docs/HOW_IT_WORKS.md "Lp-Reg"):
+# Where this differs from the fork (docs/LP_REG.md):
 # - the bottom-rho% of the negative-advantage tokens is taken once per optimizer minibatch over all DP ranks,
 #   not inside each loss call: with the recipe's dynamic batching (30,720 tokens per GPU, 64 GPUs) their
 #   rule regularises nothing in a micro-batch with fewer than 200 negative-advantage tokens (`k > 1`);

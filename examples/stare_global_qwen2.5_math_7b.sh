@@ -13,7 +13,7 @@
 # Each value's source is noted [recipe] (from that script), [paper] (the fork's README: its 7B defaults
 # P 10%, W 1.1, M 0.9, H_tgt 0.3; W 1.05 and M 0.95 recommended for 14B/32B) or [ours].
 #
-# Where this differs from the fork (docs/HOW_IT_WORKS.md "STARE"):
+# Where this differs from the fork (docs/STARE.md):
 # - the top-P% of each advantage sign is taken once per optimizer minibatch over all DP ranks (the
 #   paper's "batch-internal" quantiles), not inside each training micro-batch on each GPU as the fork's
 #   loss does (here ~2 sequences per dynamic micro-batch of 8192 tokens), and the token-mean divides by

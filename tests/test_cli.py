@@ -72,7 +72,7 @@ def test_short_real_run_reports_invariance_and_writes_json(tmp_path):
     (["--json", "/nonexistent/dir/report.json"], "does not exist"),
     (["--clip-cov-lb", "6"], "clip_cov_lb must be below clip_cov_ub"),
     (["--clip-cov-ratio", "0"], "clip_cov_ratio must be finite"),
-    (["--entropy-top-ratio", "20"], "--entropy-top-ratio must be a fraction in (0, 1]"),
+    (["--entropy-top-ratio", "20"], "entropy_top_ratio must be finite and in (0, 1]"),
 ])
 def test_bad_options_fail_clearly_and_write_nothing(tmp_path, capfd, args, message):
     out = tmp_path / "report.json"

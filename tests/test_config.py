@@ -15,7 +15,9 @@ from verl_klcov_global.config import (
     read_clip_cov_settings,
     read_kl_cov_settings,
 )
-from verl_klcov_global.modes import CLIP_COV, KL_COV, global_mode_of
+from verl_klcov_global.modes import global_mode_of
+from verl_klcov_global.methods.clip_cov.row import CLIP_COV
+from verl_klcov_global.methods.kl_cov.row import KL_COV
 
 
 def actor(**policy_loss):
@@ -139,7 +141,7 @@ def high_entropy_actor(policy_loss=None, **actor_kwargs):
 
 def test_high_entropy_defaults_are_the_papers_and_vanillas():
     from verl_klcov_global.config import DEFAULT_ENTROPY_TOP_RATIO, read_high_entropy_settings
-    from verl_klcov_global.modes import HIGH_ENTROPY
+    from verl_klcov_global.methods.high_entropy.row import HIGH_ENTROPY
 
     settings = read_high_entropy_settings(high_entropy_actor(clip_ratio_low=0.2, clip_ratio_high=0.28))
     assert settings.entropy_top_ratio == DEFAULT_ENTROPY_TOP_RATIO == 0.2

@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 
 from verl_klcov_global import driver, guardrails
-from verl_klcov_global.modes import CLIP_COV, HIGH_ENTROPY, KL_COV
+from verl_klcov_global.methods.clip_cov.row import CLIP_COV
+from verl_klcov_global.methods.high_entropy.row import HIGH_ENTROPY
+from verl_klcov_global.methods.kl_cov.row import KL_COV
 
 from .test_guardrails import VALID, _validate
 from .trainer_support import trainer

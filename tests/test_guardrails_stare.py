@@ -17,7 +17,7 @@ import pytest
 
 from verl_klcov_global import driver, guardrails
 from verl_klcov_global.config import StareGlobalPolicyLossConfig, read_stare_settings
-from verl_klcov_global.modes import STARE
+from verl_klcov_global.methods.stare.row import STARE
 
 from .test_guardrails import VALID
 from .trainer_support import trainer

@@ -10,15 +10,19 @@ import ast
 from pathlib import Path
 
 PACKAGE = "verl_klcov_global"
+#: A method's authors' per-loss-call rule (``methods/<name>/authors.py``), a lab comparator: on the harness's layer.
+AUTHORS = "methods.*.authors"
 SOURCE = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: Bottom first; a module may import modules of its own layer or of layers below it.
 LAYERS = [
-    ["selection", "seams", "layout", "install_hint", "configs", "quiet_start", "entropy_control", "stare_control",
-     "knob_doc"],
-    ["config"],
+    ["selection", "seams", "layout", "install_hint", "configs", "quiet_start", "entropy_control", "knob_doc",
+     "per_call"],
+    ["mode_config"],
     ["loss"],
     ["modes"],
+    ["methods"],  # one folder per method: config, selection, objective, schedule, its row (its authors' rule apart)
+    ["config"],  # what users' ``_target_`` lines name: re-exports the methods' classes
     ["guardrails", "knob_table"],
     ["driver", "engine.logprobs", "engine.control", "engine.proxy", "engine.reuse", "engine.old_policy", "engine.batch_entropy",
      "engine.schedule"],
@@ -27,7 +31,7 @@ LAYERS = [
     ["engine.patches", "engine"],
     ["plugin"],
     [""],  # the package itself (verl_klcov_global/__init__.py)
-    ["worker_loader", "lab"],  # the harness: CPU platform, tiny models, the #7829 experiment, comparators
+    ["worker_loader", "lab", AUTHORS],  # the harness: CPU platform, tiny models, the #7829 experiment, comparators
     ["diagnose"],  # the command, on the harness (before 0.8.0 it lived in lab/ with the harness)
     ["cli", "__main__"],
 ]
@@ -48,7 +52,14 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(path): path for path in SOURCE.rglob("*.py")}
 
 
+def _is_authors_rule(module: str) -> bool:
+    parts = module.split(".")
+    return len(parts) == 3 and parts[0] == "methods" and parts[2] == "authors"
+
+
 def _layer(module: str) -> int:
+    if _is_authors_rule(module):
+        return next(rank for rank, prefixes in enumerate(LAYERS) if AUTHORS in prefixes)
     best = None
     for rank, prefixes in enumerate(LAYERS):
         for prefix in prefixes:
@@ -159,5 +170,18 @@ def test_the_harness_and_the_command_have_no_circle_even_through_function_level_
 def test_the_parser_sees_the_imports_it_must():
     """The checks above would pass vacuously on a parser that finds nothing: pin a few known edges."""
     edges = {(a, b) for a, b, _ in _edges()}
-    assert {("modes", "config"), ("engine.step", "modes"), ("plugin", "engine.patches"),
+    assert {("methods.kl_cov.row", "modes"), ("config", "methods.stare.config"), ("engine.step", "modes"), ("plugin", "engine.patches"),
             ("engine.prepass", "engine.logprobs"), ("", "plugin"), ("lab.experiment", "engine.step")} <= edges
+
+
+def test_a_methods_folder_keeps_its_layers():
+    """Inside ``methods/<name>/``: the selection imports only the shared selection core (and torch); nothing of the
+    trainer's side imports a method's authors' rule (the lab loads it by the name its row gives, in-process)."""
+    edges = {(a, b) for a, b, _ in _edges()}
+    selections = [m for m in MODULES if m.startswith("methods.") and m.endswith(".selection")]
+    assert len(selections) >= 5
+    outside_core = [(a, b) for a, b in edges if a in selections and not (b == "selection" or b.startswith("selection."))]
+    assert outside_core == [], f"a method's selection imports beyond the shared core: {outside_core}"
+    into_authors = [(a, b) for a, b in edges if _is_authors_rule(b) and not a.startswith(("lab", "diagnose"))]
+    assert into_authors == [], f"an authors' rule imported outside the lab: {into_authors}"
+    assert any(_is_authors_rule(m) for m in MODULES)  # not vacuous

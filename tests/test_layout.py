@@ -20,7 +20,7 @@ from verl_klcov_global import loss
 from verl_klcov_global.config import MASK_FIELD
 from verl_klcov_global.engine import step
 from verl_klcov_global.layout import mask_in_layout_of, padded
-from verl_klcov_global.selection import select_kl_cov_tokens
+from verl_klcov_global.methods.kl_cov.selection import select_kl_cov_tokens
 
 BATCH, PROMPT, RESPONSE = 12, 4, 10
 

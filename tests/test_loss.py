@@ -197,7 +197,7 @@ def upstream_draws(selected: torch.Tensor, candidates: torch.Tensor):
        global_info=st.sampled_from([{}, {"dp_size": 1, "batch_num_tokens": 500, "global_batch_size": 12}]))
 def test_clip_cov_global_equals_verl_clip_cov_drawing_the_same_tokens(seed, agg_mode, with_is, ratio, global_info):
     """Upstream's draw (torch.randperm) steered to our tokens: loss, gradient and metrics are verl's, bit for bit."""
-    from verl_klcov_global.selection import clip_cov_quota
+    from verl_klcov_global.methods.clip_cov.selection import clip_cov_quota
 
     from .support.batches import reference_candidates
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import torch
 
-from verl_klcov_global.lab.per_micro_batch import per_micro_batch_lp_reg_mask
-from verl_klcov_global.loss import LP_REG_PREFIX, lp_reg_objective, lp_reg_per_call_switched_off
+from verl_klcov_global.methods.lp_reg.authors import per_micro_batch_lp_reg_mask
+from verl_klcov_global.methods.lp_reg.objective import LP_REG_PREFIX, lp_reg_objective, lp_reg_per_call_switched_off
 
 from .engine.test_engine_lp_reg import _authors_pg_losses
 

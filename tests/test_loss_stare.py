@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from verl_klcov_global.loss import stare_objective
-from verl_klcov_global.selection.stare import select_stare_tokens
+from verl_klcov_global.methods.stare.objective import stare_objective
+from verl_klcov_global.methods.stare.selection import select_stare_tokens
 
 from .support.batches import random_minibatch
 

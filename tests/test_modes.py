@@ -11,7 +11,9 @@ from verl.utils import tensordict_utils as tu
 from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.config import ClipCovGlobalPolicyLossConfig, KLCovGlobalPolicyLossConfig
 from verl_klcov_global.layout import padded, sequence_token_ids
-from verl_klcov_global.modes import CLIP_COV, KL_COV, global_mode_of
+from verl_klcov_global.modes import global_mode_of
+from verl_klcov_global.methods.clip_cov.row import CLIP_COV
+from verl_klcov_global.methods.kl_cov.row import KL_COV
 from verl_klcov_global.selection.keys import sequence_hashes
 
 BATCH, PROMPT, RESPONSE = 12, 6, 10
@@ -82,7 +84,8 @@ def high_entropy_actor(**policy_loss):
 
 
 def test_high_entropy_row():
-    from verl_klcov_global.modes import HIGH_ENTROPY, MODES
+    from verl_klcov_global.modes import MODES
+    from verl_klcov_global.methods.high_entropy.row import HIGH_ENTROPY
 
     assert global_mode_of(high_entropy_actor()) is HIGH_ENTROPY is MODES["high_entropy_global"]
     assert HIGH_ENTROPY.metric_prefix == "actor/high_entropy/"
@@ -97,7 +100,7 @@ def test_high_entropy_row():
 @pytest.mark.parametrize("layout", ["v1", "legacy"])
 def test_high_entropy_selection_reads_the_prepass_entropy_in_either_trainer_layout(layout):
     from verl_klcov_global import select_high_entropy_tokens
-    from verl_klcov_global.modes import HIGH_ENTROPY
+    from verl_klcov_global.methods.high_entropy.row import HIGH_ENTROPY
 
     data = _minibatch(4, layout)
     response_mask = padded(data["response_mask"]).bool()

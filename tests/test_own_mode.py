@@ -30,7 +30,7 @@ from verl_klcov_global.diagnose.knobs import ModeCannotRunError, parse_set
 from verl_klcov_global.diagnose.run import DiagnoseOptions, _actor_config, run_diagnose, validate
 from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch, run_block, static_layouts
 from verl_klcov_global.layout import padded
-from verl_klcov_global.loss import kl_cov_objective
+from verl_klcov_global.methods.kl_cov.objective import kl_cov_objective
 from verl_klcov_global.modes import MODES, ModeSpec, register_mode, unregister_mode
 
 from .support.docs import REPO_ROOT, code_blocks, section
@@ -94,7 +94,7 @@ def test_the_selection_takes_the_rarest_tokens_under_the_cap(my_modes):
 
 def test_set_gives_any_knob_and_moves_those_with_an_option_into_it(my_modes):
     options = validate(DiagnoseOptions(loss_mode=CAPPED, set_knobs={"rare_token_max_prob": 0.3, "kl_cov_ratio": 0.05}))
-    assert options.kl_cov_ratio == 0.05 and options.set_knobs == {"rare_token_max_prob": 0.3}
+    assert options.knobs["kl_cov_ratio"] == 0.05 and options.set_knobs == {"rare_token_max_prob": 0.3}
     policy_loss = _actor_config(options, CAPPED).policy_loss
     assert type(policy_loss) is my_modes.RareTokenCappedPolicyLossConfig
     assert (policy_loss.rare_token_max_prob, policy_loss.kl_cov_ratio) == (0.3, 0.05)
@@ -102,7 +102,7 @@ def test_set_gives_any_knob_and_moves_those_with_an_option_into_it(my_modes):
     assert type(plain.policy_loss).__name__ == "PolicyLossConfig"  # no config class: verl's
     assert (plain.policy_loss.loss_mode, plain.policy_loss.ppo_kl_coef) == (PLAIN, 0.5)
     # the built-in modes take it too: the same as their own options
-    assert validate(DiagnoseOptions(loss_mode="stare_global", set_knobs={"stare_top_ratio": 0.2})).stare_top_ratio == 0.2
+    assert validate(DiagnoseOptions(loss_mode="stare_global", set_knobs={"stare_top_ratio": 0.2})).knobs["stare_top_ratio"] == 0.2
 
 
 @pytest.mark.parametrize("set_knobs, message", [
@@ -202,7 +202,7 @@ def test_the_pages_diagnose_commands_exit_0():
 def test_one_engine_update_of_each_mode_has_identical_masks_for_1_and_8_micro_batches(my_modes, tiny_model_path):
     spec = EngineSpec(tiny_model_path)
     batch = frozen_minibatch(spec, 3, batch_size=16, prompt_len=8, response_len=32)
-    options = validate(DiagnoseOptions(loss_mode=CAPPED, kl_cov_ratio=0.05, set_knobs={"rare_token_max_prob": 0.3}))
+    options = validate(DiagnoseOptions(loss_mode=CAPPED, knobs={"kl_cov_ratio": 0.05}, set_knobs={"rare_token_max_prob": 0.3}))
     results = run_block(spec, batch, static_layouts(16, 8), lambda mode: _actor_config(options, mode),
                         modes=("vanilla", PLAIN, CAPPED))
     control = results["vanilla"]
@@ -219,7 +219,7 @@ def test_one_engine_update_of_each_mode_has_identical_masks_for_1_and_8_micro_ba
 BROKEN = '''
 from verl_klcov_global import plugin
 from verl_klcov_global.config import read_kl_cov_settings
-from verl_klcov_global.loss import kl_cov_objective
+from verl_klcov_global.methods.kl_cov.objective import kl_cov_objective
 from verl_klcov_global.modes import ModeSpec, register_mode
 from my_modes import select_rare_tokens
 

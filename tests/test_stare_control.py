@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from verl_klcov_global.stare_control import StareSchedule, StareState, initial_state, update_stare_state
+from verl_klcov_global.methods.stare.schedule import StareSchedule, StareState, initial_state, update_stare_state
 
 
 class ForkController:
@@ -74,7 +74,7 @@ def _settings(**overrides):
 
 
 def test_the_rule_moves_the_state_only_at_an_updates_first_step():
-    from verl_klcov_global.stare_control import stare_update_rule
+    from verl_klcov_global.methods.stare.schedule import stare_update_rule
 
     settings = _settings(stare_adaptive=True, stare_target_entropy=0.3)
     state, step, figures = stare_update_rule(None, 0.2, settings)  # first step: H below the target
@@ -88,7 +88,7 @@ def test_the_rule_moves_the_state_only_at_an_updates_first_step():
 
 
 def test_without_the_schedule_the_configured_weights_apply_also_after_a_resume():
-    from verl_klcov_global.stare_control import stare_update_rule
+    from verl_klcov_global.methods.stare.schedule import stare_update_rule
 
     kept = {"reweight_w": 1.4, "reweight_m": 0.6, "gate_on": False, "entropy": 0.5, "steps": 7}
     state, step, _ = stare_update_rule(kept, None, _settings(stare_reweight_w=1.2))
@@ -97,7 +97,7 @@ def test_without_the_schedule_the_configured_weights_apply_also_after_a_resume()
 
 
 def test_a_nonfinite_batch_entropy_leaves_the_state_as_the_fork_does():
-    from verl_klcov_global.stare_control import stare_update_rule
+    from verl_klcov_global.methods.stare.schedule import stare_update_rule
 
     state, _, _ = stare_update_rule(None, 0.2, _settings())
     assert stare_update_rule(state, math.nan, _settings())[0] == state

@@ -16,7 +16,7 @@ import torch
 
 from verl_klcov_global import plugin
 from verl_klcov_global.config import KLCovGlobalPolicyLossConfig, read_kl_cov_settings
-from verl_klcov_global.loss import kl_cov_objective
+from verl_klcov_global.methods.kl_cov.objective import kl_cov_objective
 from verl_klcov_global.modes import ModeSpec, register_mode
 from verl_klcov_global.selection.collectives import agree_and_mean, float_order_keys, select_largest_keys
 from verl_klcov_global.selection.knobs import ratio_quota

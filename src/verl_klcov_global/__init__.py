@@ -1,11 +1,11 @@
-"""verl-klcov-global: KL-Cov, Clip-Cov, the 80/20 high-entropy method and STARE, whose token selection does
-not depend on memory settings.
+"""verl-klcov-global: KL-Cov, Clip-Cov, the 80/20 rule, STARE and Lp-Reg, whose token selection does not depend on
+memory settings.
 
-Registers the verl policy-loss modes of the mode table (:data:`verl_klcov_global.modes.MODES`:
-``kl_cov_global``, ``clip_cov_global``, ``high_entropy_global`` and ``stare_global``): one selection per
-optimizer minibatch (and data-parallel group), computed by a no-grad prepass, instead of one per
-micro-batch. Select one with ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global`` (or
-``=clip_cov_global``, ``=high_entropy_global``, ``=stare_global``).
+Registers the verl policy-loss modes of the mode table (:data:`verl_klcov_global.modes.MODES`: ``kl_cov_global``,
+``clip_cov_global``, ``high_entropy_global``, ``stare_global`` and ``lp_reg_global``, one folder each under
+:mod:`verl_klcov_global.methods`): one selection per optimizer minibatch (and data-parallel group), computed by a
+no-grad prepass, instead of one per micro-batch. Select one with
+``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global`` (or another ``*_global``).
 """
 
 from importlib import metadata as _metadata
@@ -32,33 +32,28 @@ from .config import (
     ClipCovGlobalPolicyLossConfig,
     HighEntropyGlobalPolicyLossConfig,
     KLCovGlobalPolicyLossConfig,
-    StareGlobalPolicyLossConfig,
     LpRegGlobalPolicyLossConfig,
+    StareGlobalPolicyLossConfig,
 )
-from .loss import (
-    ClipCovMaskUnavailableError,
-    HighEntropyMaskUnavailableError,
-    KLCovMaskUnavailableError,
-    SelectionMaskUnavailableError,
-    provide_selection_mask,
-)
+from .loss import SelectionMaskUnavailableError, provide_selection_mask
 from .modes import MODES, ModeSpec, register_mode
-from .plugin import install
-from .selection import (
-    ClipCovSelection,
+from .methods import register_built_in_modes as _register_built_in_modes
+
+_register_built_in_modes()  # each built-in method's row joins the mode table, as a user's module's row does
+
+from .methods.clip_cov.objective import ClipCovMaskUnavailableError  # noqa: E402
+from .methods.clip_cov.selection import ClipCovSelection, clip_cov_quota, select_clip_cov_tokens  # noqa: E402
+from .methods.high_entropy.objective import HighEntropyMaskUnavailableError  # noqa: E402
+from .methods.high_entropy.selection import (  # noqa: E402
     HighEntropySelection,
-    KLCovSelection,
-    clip_cov_quota,
     high_entropy_quota,
-    kl_cov_quota,
-    select_clip_cov_tokens,
     select_high_entropy_tokens,
-    select_kl_cov_tokens,
-    select_stare_tokens,
-    StareSelection,
-    LpRegSelection,
-    select_lp_reg_tokens,
 )
+from .methods.kl_cov.objective import KLCovMaskUnavailableError  # noqa: E402
+from .methods.kl_cov.selection import KLCovSelection, kl_cov_quota, select_kl_cov_tokens  # noqa: E402
+from .methods.lp_reg.selection import LpRegSelection, select_lp_reg_tokens  # noqa: E402
+from .methods.stare.selection import StareSelection, select_stare_tokens  # noqa: E402
+from .plugin import install  # noqa: E402
 
 _quiet.close()
 

@@ -46,7 +46,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from . import guardrails
-from .config import SUPPORTED_STRATEGIES, unsupported_strategy_message
+from .mode_config import SUPPORTED_STRATEGIES, unsupported_strategy_message
 from .modes import global_mode_of
 from .install_hint import INSTALL_HINT
 

@@ -18,7 +18,7 @@ lowers it; ``u`` the integral state, ``ln r``):
    ``entropy_control_window``; ``Ĥ = H`` while fewer than ``k`` steps are measured), floored at 0. Why:
    these methods slow a fall of entropy far more than they reverse one, so a law that reads only ``H``
    keeps the method weak until the target is reached and then cannot stop the collapse already under way
-   (docs/LEARNING.md, the miniature's attempts); the prediction strengthens the method while entropy is
+   (docs/EVIDENCE.md, the miniature's attempts); the prediction strengthens the method while entropy is
    still above the target but falling towards it fast, and at rest (no change) it reads ``H``, so the
    target it holds is the same;
 3. PI in log space (multiplicative in ``r``): ``u' = clamp(u + s * ki * e)``, and the ratio in use this

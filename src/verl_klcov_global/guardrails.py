@@ -71,7 +71,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from .config import OLD_POLICY_LAYOUT
+from .mode_config import OLD_POLICY_LAYOUT
 from .modes import ModeSpec, global_mode_of
 from .selection.knobs import finite_number
 
@@ -263,9 +263,8 @@ def _ratio_findings(config: Any, spec: ModeSpec) -> list[Finding]:
     return [Finding(
         WARNING, "ratio-units", f"{POLICY_LOSS}.{knob}",
         f"{knob}={value:g} is a fraction, not a percentage: it selects {value:.2%} of each optimizer minibatch's "
-        f"valid response tokens, {times:.0f}x the paper's {first_size} value; the paper uses {paper_text}. Other "
-        f"frameworks' units differ: PRIME-RL's k_percent is a percentage (k_percent=0.2 means 0.2%, i.e. 0.002 "
-        f"here), SkyRL's kl_cov_frac is a fraction like this one (its default 0.2 selects 20%)",
+        f"valid response tokens, {times:.0f}x the paper's {first_size} value; the paper uses {paper_text}"
+        + (f". {spec.ratio_units_note}" if spec.ratio_units_note else ""),
         f"If you meant {value:g}% set {POLICY_LOSS}.{knob}={value / 100:g} (the paper's {first_size} value is "
         f"{first_ratio:g}). The run goes on")]
 
@@ -359,6 +358,23 @@ def _old_policy_findings(config: Any, spec: ModeSpec) -> list[Finding]:
     return []
 
 
+def _log_prob_pass_findings(config: Any, reads: str, no_pass: str, not_kept: str, verb: str) -> list[Finding]:
+    """The errors of a mode that reads something from the actor's log-prob pass (``reads`` says what): ``no_pass``
+    when ``bypass_mode`` runs no such pass, ``not_kept`` on a trainer whose pass the plugin does not ``verb``."""
+    if _bypass(config):
+        return [Finding(
+            ERROR, no_pass, f"{ROLLOUT_CORRECTION}.bypass_mode",
+            f"{reads}, and {ROLLOUT_CORRECTION}.bypass_mode=True runs no such pass (the old log-probs are the "
+            "rollout's)", f"Set {ROLLOUT_CORRECTION}.bypass_mode=False")]
+    kind = trainer_kind(config)
+    if kind not in OLD_POLICY_ENTROPY_TRAINERS:
+        return [Finding(
+            ERROR, not_kept, "trainer.v1.trainer_mode",
+            f"{reads}, which the plugin {verb} on the legacy and the v1 sync trainers only, and this is the v1 "
+            f"{kind} trainer", "Use trainer.use_v1=False or trainer.v1.trainer_mode=sync")]
+    return []
+
+
 def _proxy_findings(config: Any, spec: ModeSpec) -> list[Finding]:
     """A mode that reads Lp-Reg's proxy (``ModeSpec.proxy_min_p``) needs the actor's log-prob pass, kept by the
     plugin, and the logits (no fused kernels)."""
@@ -367,17 +383,9 @@ def _proxy_findings(config: Any, spec: ModeSpec) -> list[Finding]:
     mode = spec.name
     reads = (f"loss_mode={mode} computes its proxy pi_proxy (the old policy, min-p filtered) in the actor's log-prob "
              "pass")
-    if _bypass(config):
-        return [Finding(
-            ERROR, "proxy-without-log-prob-pass", f"{ROLLOUT_CORRECTION}.bypass_mode",
-            f"{reads}, and {ROLLOUT_CORRECTION}.bypass_mode=True runs no such pass (the old log-probs are the "
-            "rollout's)", f"Set {ROLLOUT_CORRECTION}.bypass_mode=False")]
-    kind = trainer_kind(config)
-    if kind not in OLD_POLICY_ENTROPY_TRAINERS:
-        return [Finding(
-            ERROR, "proxy-not-kept", "trainer.v1.trainer_mode",
-            f"{reads}, which the plugin keeps on the legacy and the v1 sync trainers only, and this is the v1 "
-            f"{kind} trainer", "Use trainer.use_v1=False or trainer.v1.trainer_mode=sync")]
+    missing = _log_prob_pass_findings(config, reads, "proxy-without-log-prob-pass", "proxy-not-kept", "keeps")
+    if missing:
+        return missing
     if _get(config, "actor_rollout_ref.model.use_fused_kernels", False) is True:
         return [Finding(
             ERROR, "proxy-without-logits", "actor_rollout_ref.model.use_fused_kernels",
@@ -396,17 +404,10 @@ def _update_rule_findings(config: Any, spec: ModeSpec) -> list[Finding]:
     mode = spec.name
     reads = (f"loss_mode={mode} reads, once per trainer step, the old policy's mean entropy over the step's batch "
              "(verl's actor/entropy) from the actor's log-prob pass")
-    if _bypass(config):
-        return [Finding(
-            ERROR, "batch-entropy-without-log-prob-pass", f"{ROLLOUT_CORRECTION}.bypass_mode",
-            f"{reads}, and {ROLLOUT_CORRECTION}.bypass_mode=True runs no such pass (the old log-probs are the "
-            "rollout's)", f"Set {ROLLOUT_CORRECTION}.bypass_mode=False")]
-    kind = trainer_kind(config)
-    if kind not in OLD_POLICY_ENTROPY_TRAINERS:
-        return [Finding(
-            ERROR, "batch-entropy-not-kept", "trainer.v1.trainer_mode",
-            f"{reads}, which the plugin sees on the legacy and the v1 sync trainers only, and this is the v1 "
-            f"{kind} trainer", "Use trainer.use_v1=False or trainer.v1.trainer_mode=sync")]
+    missing = _log_prob_pass_findings(config, reads, "batch-entropy-without-log-prob-pass", "batch-entropy-not-kept",
+                                      "sees")
+    if missing:
+        return missing
     found = [Finding(WARNING, name, f"{POLICY_LOSS}.{key}", what, fix + ". The run goes on")
              for name, key, what, fix in (spec.setting_warnings(settings) if spec.setting_warnings else [])]
     contents = [_get(config, f"{ACTOR}.checkpoint.{key}", ["model", "optimizer", "extra"])
@@ -414,7 +415,7 @@ def _update_rule_findings(config: Any, spec: ModeSpec) -> list[Finding]:
     if any(isinstance(c, (list, tuple)) and "optimizer" not in c for c in contents):
         found.append(Finding(
             WARNING, "update-rule-not-checkpointed", f"{ACTOR}.checkpoint.save_contents",
-            f"loss_mode={mode} keeps its per-trainer-step state (e.g. STARE's gate and its W and M) in the actor's "
+            f"loss_mode={mode} keeps the state of its once-per-trainer-step rule in the actor's "
             f"optimizer, and 'optimizer' is not in {ACTOR}.checkpoint.save_contents / load_contents: a resumed run "
             "starts it again from the configured values",
             f"Keep 'optimizer' in {ACTOR}.checkpoint.save_contents and load_contents (verl's default) for an exact "

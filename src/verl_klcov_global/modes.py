@@ -26,50 +26,12 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from .config import (
-    DEFAULT_STARE_REWEIGHT_M,
-    ClipCovGlobalPolicyLossConfig,
-    HighEntropyGlobalPolicyLossConfig,
-    KLCovGlobalPolicyLossConfig,
-    LpRegGlobalPolicyLossConfig,
-    StareGlobalPolicyLossConfig,
-    loss_mode_of,
-    read_clip_cov_settings,
-    read_high_entropy_settings,
-    read_kl_cov_settings,
-    read_lp_reg_settings,
-    read_stare_settings,
-)
 from .knob_doc import knob_names
 from .layout import MinibatchFields, read_fields
-from .loss import (
-    ClipCovMaskUnavailableError,
-    LP_REG_TALLIES,
-    HighEntropyMaskUnavailableError,
-    KLCovMaskUnavailableError,
-    LpRegMaskUnavailableError,
-    Objective,
-    SelectionMaskUnavailableError,
-    StareMaskUnavailableError,
-    clip_cov_objective,
-    global_policy_loss,
-    high_entropy_objective,
-    kl_cov_objective,
-    lp_reg_objective,
-    lp_reg_tally_figures,
-    stare_objective,
-)
-from .selection import (
-    kl_cov_quota,
-    select_clip_cov_tokens,
-    select_high_entropy_tokens,
-    select_kl_cov_tokens,
-    select_lp_reg_tokens,
-    select_stare_tokens,
-)
-from .stare_control import stare_update_rule
+from .loss import Objective, SelectionMaskUnavailableError, global_policy_loss
+from .mode_config import loss_mode_of
 
-__all__ = ["CLIP_COV", "HIGH_ENTROPY", "KL_COV", "LP_REG", "MODES", "STARE", "ModeSpec", "Selection", "global_mode_of", "register_mode"]
+__all__ = ["MODES", "ModeSpec", "Selection", "global_mode_of", "register_mode"]
 
 
 class Selection(Protocol):
@@ -153,6 +115,16 @@ class ModeSpec:
     * ``loss_tallies``: per-micro-batch counts the objective reports as metrics ``<prefix><name>_in_micro_batch``;
       the step sums each over its micro-batches and the DP group (one all-reduce) and removes the raw entries;
       ``tally_figures(sums, selection)`` turns the sums into the step's figures (default: the sums themselves).
+    * ``ratio_units_note``: how other frameworks' knobs for the same ratio are written, appended to the guardrails'
+      unit warning (empty: nothing to add);
+    * ``comparator``: the module of the authors' per-loss-call rule (``upstream``, when verl has no such loss): it
+      defines ``COMPARATOR``, a :class:`verl_klcov_global.per_call.Comparator`. Only the lab imports it
+      (by this name, in-process); the plugin never registers it. None: ``upstream`` is verl's own loss, or none.
+    * ``knobs_without_diagnose_flag``: knobs of a built-in mode that ``diagnose`` takes through ``--set`` only (every
+      other knob of a built-in mode gets a flag generated from its config-class field, ``--<knob>``, and a key of the
+      report's options);
+    * ``knobs_text(values) -> str``: the mode's knobs on ``diagnose``'s report line, from ``values`` (each of its
+      knobs with a flag -> the value used); None: ``knob value`` for each, ``" | "`` between them.
     """
 
     name: str
@@ -185,6 +157,10 @@ class ModeSpec:
     proxy_min_p: Optional[Callable[[Any], float]] = None
     loss_tallies: tuple[str, ...] = ()
     tally_figures: Optional[Callable[[dict[str, float], Any], dict[str, float]]] = None
+    comparator: Optional[str] = None
+    ratio_units_note: str = ""
+    knobs_without_diagnose_flag: tuple[str, ...] = ()
+    knobs_text: Optional[Callable[[dict[str, Any]], str]] = None
 
     def __repr__(self) -> str:
         return f"ModeSpec({self.name!r})"
@@ -200,6 +176,10 @@ class ModeSpec:
             raise ValueError(f"{self.config_class.__name__}.loss_mode must default to {self.name!r}")
         if self.entropy_sign not in (-1, 0, 1) or (self.entropy_sign and self.ratio_knob is None):
             raise ValueError(f"{self.name}: entropy_sign must be -1, 0 or +1, and a controlled mode needs a ratio_knob")
+        unknown = [knob for knob in self.knobs_without_diagnose_flag if knob not in self.knobs]
+        if unknown:
+            raise ValueError(f"{self.name}: knobs_without_diagnose_flag names {', '.join(unknown)}, not among its knobs "
+                             f"({', '.join(self.knobs)})")
 
     @property
     def reads_batch_entropy(self) -> bool:
@@ -261,129 +241,12 @@ def global_mode_of(actor_config: Any) -> Optional[ModeSpec]:
     return MODES.get(loss_mode_of(actor_config))
 
 
-# ---------------------------------------------------------------------------------------------
-# The modes
-
-
-def _select_kl_cov(fields: MinibatchFields, settings, group) -> Selection:
-    return select_kl_cov_tokens(fields.response["advantages"], fields.log_probs, fields.response_mask,
-                                settings.kl_cov_ratio, group=group)
-
-
-def _select_clip_cov(fields: MinibatchFields, settings, group) -> Selection:
-    token_ids, token_mask = fields.sequence["input_ids"]  # hashed for the reproducible draw
-    return select_clip_cov_tokens(
-        fields.response["advantages"], fields.log_probs, fields.response["old_log_probs"], fields.response_mask,
-        token_ids, token_mask=token_mask,
-        clip_cov_ratio=settings.clip_cov_ratio, clip_cov_lb=settings.clip_cov_lb, clip_cov_ub=settings.clip_cov_ub,
-        clip_ratio_low=settings.clip_ratio_low, clip_ratio_high=settings.clip_ratio_high,
-        seed=settings.clip_cov_seed, group=group,
-    )
-
-
-def _select_high_entropy(fields: MinibatchFields, settings, group) -> Selection:
-    return select_high_entropy_tokens(fields.entropy, fields.response_mask, settings.entropy_top_ratio, group=group)
-
-
-def _select_stare(fields: MinibatchFields, settings, group) -> Selection:
-    return select_stare_tokens(fields.log_probs, fields.response["advantages"], fields.response_mask,
-                               settings.stare_top_ratio, with_negative=settings.with_negative, group=group)
-
-
-def _stare_setting_warnings(settings) -> list[tuple[str, str, str, str]]:
-    """STARE settings that make the mode a no-op, or carry a knob it does not use."""
-    found = []
-    weights = [settings.reweight_w] + ([settings.reweight_m] if settings.with_negative else [])
-    if all(w == 1.0 for w in weights) and not (settings.adaptive and settings.alpha > 0):
-        found.append(("stare-weights-one", "stare_reweight_w",
-                      "every STARE weight is 1 (stare_reweight_w=1" + (", stare_reweight_m=1" if settings.with_negative
-                                                                       else "; variant O1 uses no M")
-                      + ", no schedule): the loss is verl's vanilla plus a prepass",
-                      "Set stare_reweight_w > 1 (the paper's 1.1), or use loss_mode=vanilla"))
-    if settings.stare_top_ratio == 0.0:
-        found.append(("stare-selects-nothing", "stare_top_ratio",
-                      "stare_top_ratio=0 selects no token: the loss is verl's vanilla plus a prepass",
-                      "Set stare_top_ratio to a fraction > 0 (the paper's 0.1), or use loss_mode=vanilla"))
-    if settings.target_entropy <= 0.0:
-        found.append(("stare-gate-never-opens", "stare_target_entropy",
-                      f"stare_target_entropy={settings.target_entropy:g}: the batch's mean entropy is never below it, "
-                      "so the gate never opens and the loss is verl's vanilla plus a prepass (the authors' GRPO "
-                      "baseline script sets this)",
-                      "Set stare_target_entropy > 0 (the paper's 0.3), or use loss_mode=vanilla"))
-    # the default M (0.9, the paper's C2 value) ships with O1 too: warn only for an M someone chose for O1
-    if not settings.with_negative and settings.reweight_m not in (1.0, DEFAULT_STARE_REWEIGHT_M):
-        found.append(("stare-m-unused", "stare_reweight_m",
-                      f"stare_reweight_m={settings.reweight_m:g} is not used by stare_variant=O1, which weights only "
-                      "the surprising A > 0 tokens (W); M weights the surprising A < 0 tokens under variant C2",
-                      "Set stare_variant=C2 to use M, or drop stare_reweight_m"))
-    return found
-
-
-def _count_kl_cov(num_valid: int, policy_loss, metrics: dict) -> int:
-    return kl_cov_quota(num_valid, policy_loss.kl_cov_ratio)  # upstream selects exactly its quota
-
-
-def _count_clip_cov(num_valid: int, policy_loss, metrics: dict) -> int:
-    clipfrac = metrics["actor/pg_clipfrac"]  # masked mean of clip_cov's zeroed-gradient indicator
-    clipfrac = clipfrac.values[0] if hasattr(clipfrac, "values") else clipfrac
-    return round(float(clipfrac) * num_valid)
-
-
-KL_COV = register_mode(ModeSpec(
-    name="kl_cov_global", upstream="kl_cov", metric_prefix="actor/kl_cov/",
-    read_settings=read_kl_cov_settings,
-    response_fields=("advantages",), select=_select_kl_cov, objective=kl_cov_objective,
-    no_mask_error=KLCovMaskUnavailableError, config_class=KLCovGlobalPolicyLossConfig,
-    count_upstream_selected=_count_kl_cov, diagnose_train_layout=True,
-    # Cui et al. 2025 (arXiv:2505.22617) and its recipe/entropy/{7b,32b}_kl_cov.sh
-    ratio_knob="kl_cov_ratio", paper_ratios=(("7B", 0.002), ("32B", 0.0002)), penalises_log_ratio=True,
-    entropy_sign=+1,  # more tokens with the |log-ratio| penalty hold entropy up (the paper's Fig. 9-10)
-))
-CLIP_COV = register_mode(ModeSpec(
-    name="clip_cov_global", upstream="clip_cov", metric_prefix="actor/clip_cov/",
-    read_settings=read_clip_cov_settings,
-    response_fields=("advantages", "old_log_probs"), sequence_fields=("input_ids",), select=_select_clip_cov,
-    objective=clip_cov_objective, no_mask_error=ClipCovMaskUnavailableError,
-    config_class=ClipCovGlobalPolicyLossConfig, count_upstream_selected=_count_clip_cov, draws_at_random=True,
-    ratio_knob="clip_cov_ratio", paper_ratios=(("7B", 0.0002), ("32B", 0.0002)),
-    entropy_sign=+1, selection_reach=lambda selection: selection.num_candidates,  # at most every candidate is cut
-))
-HIGH_ENTROPY = register_mode(ModeSpec(
-    name="high_entropy_global", upstream="high_entropy_per_micro_batch", metric_prefix="actor/high_entropy/",
-    read_settings=read_high_entropy_settings, response_fields=(), select=_select_high_entropy,
-    objective=high_entropy_objective, no_mask_error=HighEntropyMaskUnavailableError,
-    config_class=HighEntropyGlobalPolicyLossConfig, prepass_reads_entropy=True,
-    # Wang et al. 2025 (arXiv:2506.01939): rho = 0.2 for Qwen3-14B and -32B (their fork's entropy_top_ratio=0.2)
-    ratio_knob="entropy_top_ratio", paper_ratios=(("14B", 0.2), ("32B", 0.2)),
-    # 0.2 is the paper's value, so no units warning; rho = 1 keeps every token: vanilla plus a prepass
-    ratio_warning=None, ratio_one_is_vanilla=True,
-    entropy_sign=-1,  # a larger rho trains more low-entropy tokens: entropy falls faster (rho = 1 is vanilla)
-))
-STARE = register_mode(ModeSpec(
-    name="stare_global", upstream="stare_per_micro_batch", metric_prefix="actor/stare/",
-    read_settings=read_stare_settings, response_fields=("advantages",), select=_select_stare,
-    objective=stare_objective, no_mask_error=StareMaskUnavailableError, config_class=StareGlobalPolicyLossConfig,
-    # Luo et al. 2026 (arXiv:2606.19236): the 10% most surprising tokens of each advantage sign
-    ratio_knob="stare_top_ratio", paper_ratios=(("7B", 0.1),), ratio_warning=None, ratio_may_be_zero=True,
-    ratio_of="each advantage sign's valid response tokens of the optimizer minibatch",
-    # no entropy controller (entropy_sign 0): STARE's gate and schedule are its own entropy feedback
-    update_rule=stare_update_rule, setting_warnings=_stare_setting_warnings,
-))
-
-
-
-def _select_lp_reg(fields: MinibatchFields, settings, group) -> Selection:
-    return select_lp_reg_tokens(fields.log_probs, fields.response["advantages"], fields.response_mask,
-                                settings.neg_ratio, settings.pos_ratio, group=group)
-
-
-LP_REG = register_mode(ModeSpec(
-    name="lp_reg_global", upstream="lp_reg_per_micro_batch", metric_prefix="actor/lp_reg/",
-    read_settings=read_lp_reg_settings, response_fields=("advantages",), select=_select_lp_reg,
-    objective=lp_reg_objective, no_mask_error=LpRegMaskUnavailableError, config_class=LpRegGlobalPolicyLossConfig,
-    # Huang et al. 2025 (arXiv:2510.03222), recipe/lp_reg/*.sh: rho- 0.01 (0.005 for Qwen2.5-32B)
-    ratio_knob="lp_reg_neg_ratio", paper_ratios=(("7B", 0.01), ("32B", 0.005)), ratio_warning=None,
-    ratio_of="each optimizer minibatch's negative-advantage valid response tokens",
-    proxy_min_p=lambda settings: settings.min_p,  # no entropy controller (entropy_sign 0)
-    loss_tallies=LP_REG_TALLIES, tally_figures=lp_reg_tally_figures,
-))
+def __getattr__(name: str) -> ModeSpec:
+    """A row of the table by the constant it had here before it moved to its method's folder (``KL_COV`` is
+    ``MODES["kl_cov_global"]``, ``HIGH_ENTROPY`` is ``MODES["high_entropy_global"]``)."""
+    if name.startswith("__"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    for mode_name, mode in MODES.items():
+        if mode_name.removesuffix("_global").upper() == name:
+            return mode
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,14 +11,18 @@ from verl.trainer.ppo.core_algos import register_policy_loss
 
 from . import loss, seams
 from .engine import patches
+from .methods import register_built_in_modes
 from .modes import MODES
 
 
 def register_losses() -> None:
     """Register ``mode.policy_loss`` under ``mode.name`` in verl's policy-loss registry, for every mode of the table.
 
-    The one registration route: verl's own ``register_policy_loss`` decorator.
+    The one registration route: verl's own ``register_policy_loss`` decorator. The built-in methods' rows join the
+    table first (:func:`verl_klcov_global.methods.register_built_in_modes`): verl may load this entry point while the
+    package itself is still importing.
     """
+    register_built_in_modes()
     for mode in MODES.values():
         register_policy_loss(mode.name)(mode.policy_loss)
 

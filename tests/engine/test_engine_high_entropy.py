@@ -35,8 +35,10 @@ from verl_klcov_global.lab.experiment import (
     static_layouts,
 )
 from verl_klcov_global.layout import fit_width, padded
-from verl_klcov_global.modes import CLIP_COV, HIGH_ENTROPY, KL_COV
-from verl_klcov_global.selection import high_entropy_quota
+from verl_klcov_global.methods.clip_cov.row import CLIP_COV
+from verl_klcov_global.methods.high_entropy.row import HIGH_ENTROPY
+from verl_klcov_global.methods.kl_cov.row import KL_COV
+from verl_klcov_global.methods.high_entropy.selection import high_entropy_quota
 
 from ..support.gloo import spawn_gloo
 from ..support.selections import recorded_selections, reselect, selection_margin

@@ -26,7 +26,7 @@ from verl_klcov_global.lab.experiment import (
     EngineSpec, MicroBatchLayout, dynamic_layouts, frozen_minibatch, one_update, run_block, static_layouts,
 )
 from verl_klcov_global.layout import padded
-from verl_klcov_global.modes import LP_REG
+from verl_klcov_global.methods.lp_reg.row import LP_REG
 
 from ..support.gloo import spawn_gloo
 from ..support.selections import recorded_selections

@@ -32,7 +32,7 @@ from verl_klcov_global.lab.experiment import (
     EngineSpec, MicroBatchLayout, dynamic_layouts, frozen_minibatch, one_update, run_block, static_layouts,
 )
 from verl_klcov_global.layout import padded
-from verl_klcov_global.modes import STARE
+from verl_klcov_global.methods.stare.row import STARE
 
 from ..selection.test_stare import reference
 from ..support.gloo import spawn_gloo

@@ -175,7 +175,7 @@ def test_kl_cov_reads_only_the_old_log_probs_verl_hands_the_update(worker, monke
 #: held entropy) are the same computation on the same inputs in every layout, bit for bit on any CPU
 PASS_KEYS = dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=16)
 #: KL-Cov's old log-probs are moved off pi by N(0, OFF_POLICY) (as a rollout engine's or a stale pi_old's would be):
-#: at pi = pi_old the penalty's gradient is coef * sign(float noise) * grad log pi (docs/HOW_IT_WORKS.md), and a row's
+#: at pi = pi_old the penalty's gradient is coef * sign(float noise) * grad log pi (docs/KL_COV.md), and a row's
 #: fp32 log-probs move in the last bits with its micro-batch company on some CPUs (AMD EPYC: ~5e-7), so there the
 #: update follows the micro-batching whatever selects the tokens
 OFF_POLICY = 0.05

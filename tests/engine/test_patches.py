@@ -36,7 +36,8 @@ from verl_klcov_global.seams import VerlSeamError, check_seams
 from verl_klcov_global.lab import cpu as _cpu
 from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.config import MASK_FIELD, KLCovGlobalPolicyLossConfig, read_kl_cov_settings
-from verl_klcov_global.modes import KL_COV, global_mode_of
+from verl_klcov_global.modes import global_mode_of
+from verl_klcov_global.methods.kl_cov.row import KL_COV
 from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch
 
 pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier

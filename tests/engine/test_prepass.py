@@ -32,7 +32,7 @@ from verl_klcov_global.layout import fit_width
 from verl_klcov_global.lab import cpu as _cpu
 from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.config import KLCovGlobalSettings
-from verl_klcov_global.modes import KL_COV
+from verl_klcov_global.methods.kl_cov.row import KL_COV
 from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch
 
 from ..support.gloo import spawn_gloo

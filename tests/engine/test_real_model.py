@@ -39,8 +39,9 @@ from verl_klcov_global.config import StareGlobalPolicyLossConfig
 from verl_klcov_global.engine.step import observe_selections
 from verl_klcov_global.lab.experiment import EngineSpec, _release, hold_old_policy_pass
 from verl_klcov_global.layout import MinibatchFields
-from verl_klcov_global.modes import MODES, STARE
-from verl_klcov_global.selection.stare import stare_quota
+from verl_klcov_global.modes import MODES
+from verl_klcov_global.methods.stare.row import STARE
+from verl_klcov_global.methods.stare.selection import stare_quota
 
 from ..support.selections import (
     Recorded, kl_cov_scores, recorded_selections, reselect, selection_margin, top_k_margin,
@@ -291,7 +292,7 @@ def lp_reg_update(engine, sampled, initial, *, size: int):
 
     from verl_klcov_global.config import LpRegGlobalPolicyLossConfig
     from verl_klcov_global.engine import reuse
-    from verl_klcov_global.modes import LP_REG
+    from verl_klcov_global.methods.lp_reg.row import LP_REG
 
     actor = _tiny.make_actor_config(policy_loss=LpRegGlobalPolicyLossConfig(**LP_REG_KNOBS))
     batch = _tiny.make_minibatch(tokens=sampled.tokens(), group_size=SAMPLES, seed=0, log_probs=initial,

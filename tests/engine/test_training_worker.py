@@ -25,7 +25,7 @@ from verl.utils import tensordict_utils as tu
 
 from verl_klcov_global.engine import prepass as engine_prepass, step as engine_step
 from verl_klcov_global.lab import tiny as _tiny
-from verl_klcov_global.selection import select_kl_cov_tokens
+from verl_klcov_global.methods.kl_cov.selection import select_kl_cov_tokens
 
 from ..support.selections import kl_cov_scores, top_k_margin
 from ..support.workers import PlainModelReference, build_training_worker, full_state_dict, padded_rows, row_indices

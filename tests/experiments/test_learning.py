@@ -9,7 +9,7 @@ step, 2 minibatches x 2 PPO epochs, SGD lr 0.1 instead of 0.03 so that 6 steps s
 and asserts:
 
 * vanilla learns: its reward rises and its entropy falls (the full 40-step run's thresholds --
-  reward +0.5, entropy to <= 20% -- are the figure's, docs/LEARNING.md);
+  reward +0.5, entropy to <= 20% -- are the figure's, docs/EVIDENCE.md);
 * each global mode's per-step selection counts are identical at both micro-batch sizes, and its
   entropy and reward curves agree within ``NOISE_FACTOR`` (10) times vanilla's own micro-batch
   difference (at least one float32 spacing of the logged entropy);

@@ -1,7 +1,7 @@
 """experiments/real_divergence.py: its runs on the tiny Qwen2 (the study's code path, verl's trainer loop, in seconds)
 and its report's figures.
 
-The study runs SmolLM2 for about half an hour (docs/REAL_MODEL.md); here the same functions run 2 steps of the
+The study runs SmolLM2 for about half an hour (docs/EVIDENCE.md); here the same functions run 2 steps of the
 tiny model with the study's knobs but shorter prompts and responses. What this checks is the machinery: six runs,
 their weight versions written and deleted once their pair is compared, the mask digests and counts per optimizer
 step, upstream's quota per micro-batch, the report.

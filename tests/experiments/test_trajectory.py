@@ -4,7 +4,7 @@ The runs are verl 0.9.1's trainer loop (``RayPPOTrainer.fit``, legacy trainer) w
 ``ActorRolloutRefWorker`` and FSDP2 engine on CPU, Ray's process plumbing and the text generator
 replaced in-process (``experiments.local_trainer``). GRPO, 3 steps of 4 prompts x 4
 responses, 2 minibatches x 2 PPO epochs per step (12 optimizer steps), SGD (``RunConfig.optimizer``:
-AdamW can turn float noise into a flipped selection near-tie; docs/WHOLE_RUNS.md).
+AdamW can turn float noise into a flipped selection near-tie; docs/EVIDENCE.md).
 
 * Reproducible: the same configuration run twice gives identical rollouts, identical logged metrics
   (timings aside) and identical parameters, bit for bit.

@@ -68,7 +68,8 @@ def test_plain_loss_mode_override_passes_verls_validation_and_conversion(tiny_mo
     from verl.workers.config import FSDPActorConfig, PolicyLossConfig
 
     from verl_klcov_global.config import read_kl_cov_settings
-    from verl_klcov_global.modes import KL_COV, global_mode_of
+    from verl_klcov_global.modes import global_mode_of
+    from verl_klcov_global.methods.kl_cov.row import KL_COV
 
     config = trainer.compose_trainer_config(
         _overrides(tiny_model_path) + ["actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global"],

@@ -9,7 +9,10 @@ from verl_klcov_global.lab.experiment import (
     compared_modes, largest_divisor_at_most, registered_global_modes, train_layout_mode, upstream_counts,
     upstream_mode, variant_of,
 )
-from verl_klcov_global.modes import CLIP_COV, HIGH_ENTROPY, KL_COV, STARE
+from verl_klcov_global.methods.clip_cov.row import CLIP_COV
+from verl_klcov_global.methods.high_entropy.row import HIGH_ENTROPY
+from verl_klcov_global.methods.kl_cov.row import KL_COV
+from verl_klcov_global.methods.stare.row import STARE
 
 
 @pytest.mark.parametrize("rows, limit, expected", [(64, 16, 16), (8, 32, 8), (12, 8, 6), (10, 4, 2), (7, 16, 7), (1, 16, 1)])

@@ -1,4 +1,4 @@
-"""The authors' per-micro-batch high-entropy rule, the lab's comparator (``lab/per_micro_batch.py``).
+"""The authors' per-micro-batch high-entropy rule, the lab's comparator (``methods/high_entropy/authors.py``, run by ``lab/per_micro_batch.py``).
 
 Fast: the rule against an independent sort-based quantile (ties, empty micro-batches, rho = 1), its
 errors, and that only the lab registers it (a fresh interpreter that loads the plugin does not).
@@ -16,7 +16,8 @@ import sys
 import pytest
 import torch
 
-from verl_klcov_global.lab import per_micro_batch as pmb
+from verl_klcov_global.lab import per_micro_batch as lab
+from verl_klcov_global.methods.high_entropy import authors as pmb
 
 
 def reference_mask(entropy: torch.Tensor, response_mask: torch.Tensor, rho: float) -> torch.Tensor:
@@ -72,7 +73,7 @@ def test_without_the_micro_batch_entropy_it_says_it_is_the_labs_comparator():
     from verl_klcov_global.lab.tiny import make_actor_config
 
     config = make_actor_config(policy_loss=pmb.HighEntropyPerMicroBatchPolicyLossConfig())
-    with pytest.raises(pmb.MicroBatchEntropyUnavailableError, match="lab's comparator.*high_entropy_global"):
+    with pytest.raises(lab.MicroBatchEntropyUnavailableError, match="lab's comparator.*high_entropy_global"):
         pmb.compute_policy_loss_high_entropy_per_micro_batch(config=config, **_loss_inputs())
 
 
@@ -82,7 +83,7 @@ def test_a_ratio_outside_0_1_is_refused_naming_the_key_and_the_fraction(ratio):
 
     config = make_actor_config(policy_loss=pmb.HighEntropyPerMicroBatchPolicyLossConfig(entropy_top_ratio=ratio))
     inputs = _loss_inputs()
-    with pmb.provide_micro_batch_entropy(torch.rand(3, 8)), pytest.raises(ValueError, match="entropy_top_ratio.*fraction"):
+    with lab.provide_micro_batch_entropy(torch.rand(3, 8)), pytest.raises(ValueError, match="entropy_top_ratio.*fraction"):
         pmb.compute_policy_loss_high_entropy_per_micro_batch(config=config, **inputs)
 
 
@@ -96,7 +97,7 @@ def test_unselected_tokens_get_exactly_zero_loss_and_gradient_and_all_tokens_cou
     inputs = _loss_inputs()
     log_prob = inputs.pop("log_prob").requires_grad_(True)
     entropy = torch.rand(3, 8, generator=torch.Generator().manual_seed(9))
-    with pmb.provide_micro_batch_entropy(entropy):
+    with lab.provide_micro_batch_entropy(entropy):
         loss, metrics = pmb.compute_policy_loss_high_entropy_per_micro_batch(log_prob=log_prob, config=config, **inputs)
     loss.backward()
     mask, _ = pmb.per_micro_batch_entropy_mask(entropy, inputs["response_mask"], 0.25)
@@ -120,14 +121,18 @@ def test_only_the_lab_registers_it_never_the_plugin():
         "plugin.install()\n"
         "assert 'high_entropy_per_micro_batch' not in R, 'the plugin registered the lab comparator'\n"
         "assert 'stare_per_micro_batch' not in R, 'the plugin registered the STARE comparator'\n"
+        "import sys\n"
+        "assert not [m for m in sys.modules if m.endswith('.authors')], 'the plugin imported an authors rule'\n"
         "from verl_klcov_global.lab import per_micro_batch\n"
-        "assert 'high_entropy_per_micro_batch' not in R, 'importing the lab registered it'\n"
-        "assert 'stare_per_micro_batch' not in R, 'importing the lab registered the STARE comparator'\n"
-        "per_micro_batch.register_comparator()\n"
-        "assert R['high_entropy_per_micro_batch'] is per_micro_batch.compute_policy_loss_high_entropy_per_micro_batch\n"
+        "from verl_klcov_global.methods.high_entropy import authors as high_entropy\n"
+        "from verl_klcov_global.methods.stare import authors as stare\n"
+        "assert 'high_entropy_per_micro_batch' not in R, 'importing the lab or a comparator registered it'\n"
+        "assert 'stare_per_micro_batch' not in R, 'importing the lab or a comparator registered the STARE comparator'\n"
+        "per_micro_batch.register(high_entropy.COMPARATOR)\n"
+        "assert R['high_entropy_per_micro_batch'] is high_entropy.compute_policy_loss_high_entropy_per_micro_batch\n"
         "assert 'stare_per_micro_batch' not in R, 'registering one comparator registered the other'\n"
-        "per_micro_batch.register_stare_comparator()\n"
-        "assert R['stare_per_micro_batch'] is per_micro_batch.compute_policy_loss_stare_per_micro_batch\n"
+        "per_micro_batch.register(stare.COMPARATOR)\n"
+        "assert R['stare_per_micro_batch'] is stare.compute_policy_loss_stare_per_micro_batch\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -150,7 +155,7 @@ def engine_and_batch(tiny_model_path):
 def _actor(mode, ratio=0.2):
     from verl_klcov_global.lab.tiny import make_actor_config
 
-    if mode == pmb.COMPARATOR:
+    if mode == pmb.NAME:
         return make_actor_config(policy_loss=pmb.HighEntropyPerMicroBatchPolicyLossConfig(entropy_top_ratio=ratio))
     return make_actor_config(loss_mode=mode)
 
@@ -159,11 +164,11 @@ def _actor(mode, ratio=0.2):
 def test_at_rho_1_the_comparator_is_vanilla_bit_for_bit(engine_and_batch):
     from verl_klcov_global.lab.experiment import one_update, static_layouts
 
-    pmb.register_comparator()
+    lab.register(pmb.COMPARATOR)
     spec, batch = engine_and_batch
     layout = static_layouts(BATCH, 4)[1]
     vanilla = one_update(spec, batch, _actor("vanilla"), layout)
-    everything = one_update(spec, batch, _actor(pmb.COMPARATOR, 1.0), layout)
+    everything = one_update(spec, batch, _actor(pmb.NAME, 1.0), layout)
     assert everything.selected_tokens == int(batch["response_mask"].sum())
     assert torch.equal(vanilla.params, everything.params)
 
@@ -177,7 +182,7 @@ def test_the_comparator_reads_verls_training_entropy_and_moves_with_the_layout(e
 
     from verl_klcov_global.lab.experiment import max_abs_diff, one_update, static_layouts
 
-    pmb.register_comparator()
+    lab.register(pmb.COMPARATOR)
     spec, batch = engine_and_batch
     seen = []
     original = pmb.per_micro_batch_entropy_mask
@@ -188,7 +193,7 @@ def test_the_comparator_reads_verls_training_entropy_and_moves_with_the_layout(e
 
     monkeypatch.setattr(pmb, "per_micro_batch_entropy_mask", recording)
     one, four = static_layouts(BATCH, 4)
-    outcomes = {layout.name: one_update(spec, batch, _actor(pmb.COMPARATOR), layout) for layout in (one, four)}
+    outcomes = {layout.name: one_update(spec, batch, _actor(pmb.NAME), layout) for layout in (one, four)}
     assert len(seen) == 1 + 4
     # the entropy the comparator saw is verl's own entropy of the same rows (compute_log_prob, no grad)
     engine = spec.build()

@@ -1,4 +1,4 @@
-"""STARE's per-loss-call rule, the lab's comparator of ``stare_global`` (``lab/per_micro_batch.py``, ``stare_per_micro_batch``).
+"""STARE's per-loss-call rule, the lab's comparator of ``stare_global`` (``methods/stare/authors.py``, ``stare_per_micro_batch``).
 
 Fast, no engine: one loss call against the authors' formula transcribed independently (``tests/test_loss_stare.py``'s
 ``fork_pg_losses``: their ``torch.topk`` per advantage sign, ``k = max(1, int(n * P + 0.999999))`` at most ``n``,
@@ -17,7 +17,8 @@ import pytest
 import torch
 from verl.trainer.ppo.core_algos import agg_loss
 
-from verl_klcov_global.lab import per_micro_batch as pmb
+from verl_klcov_global.lab import per_micro_batch as lab
+from verl_klcov_global.methods.stare import authors as pmb
 from verl_klcov_global.lab.tiny import make_actor_config
 from verl_klcov_global.loss import provide_selection_mask
 
@@ -73,8 +74,8 @@ def test_one_loss_call_is_the_forks_per_call_rule(variant, seed):
     expected = _fork_quota(int((valid & (advantages > 0)).sum()), ratio)
     if variant == "C2":
         expected += _fork_quota(int((valid & (advantages < 0)).sum()), ratio)
-    assert metrics[pmb.STARE_SELECTED_METRIC] == expected > 0
-    assert metrics[pmb.STARE_GATE_METRIC] == 1.0  # no step settings: the configured W and M, the gate open
+    assert metrics[pmb.SELECTED_METRIC] == expected > 0
+    assert metrics[pmb.GATE_METRIC] == 1.0  # no step settings: the configured W and M, the gate open
     assert {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"} <= set(metrics)
 
 
@@ -97,7 +98,7 @@ def test_the_quota_and_ranking_are_per_call_so_two_halves_are_not_the_whole():
         loss, _, metrics = _call(old[rows], log_prob[rows], advantages[rows], mask[rows], config)
         theirs, _ = _fork_call(old[rows], log_prob[rows], advantages[rows], mask[rows], top_ratio=0.2, variant="O1",
                                w=1.5, m=0.9, gate_on=True)
-        assert torch.equal(loss, theirs) and metrics[pmb.STARE_SELECTED_METRIC] == half.num_selected
+        assert torch.equal(loss, theirs) and metrics[pmb.SELECTED_METRIC] == half.num_selected
 
 
 def test_ties_at_the_kth_surprisal_go_by_row_then_position():
@@ -128,7 +129,7 @@ def test_a_provided_step_settings_gate_w_and_m_apply_else_the_configured_ones_wi
     with provide_selection_mask(ignored_mask, settings=SimpleNamespace(gate_on=False, reweight_w=1.4, reweight_m=0.6)):
         shut, _, metrics = _call(old, log_prob, advantages, mask, config)
     assert torch.equal(shut, _fork_call(old, log_prob, advantages, mask, w=1.4, m=0.6, gate_on=False, **fork)[0])
-    assert metrics[pmb.STARE_GATE_METRIC] == 0.0 and metrics[pmb.STARE_SELECTED_METRIC] > 0  # selected, weight 1
+    assert metrics[pmb.GATE_METRIC] == 0.0 and metrics[pmb.SELECTED_METRIC] > 0  # selected, weight 1
     assert not torch.equal(configured, shut) and not torch.equal(configured, moved)
 
 
@@ -152,7 +153,7 @@ def test_an_aggregation_whose_entropy_is_a_sum_is_refused_naming_the_comparator(
 def test_registering_it_is_idempotent_and_names_it():
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-    assert pmb.register_stare_comparator() == pmb.register_stare_comparator() == "stare_per_micro_batch"
+    assert lab.register(pmb.COMPARATOR) == lab.register(pmb.COMPARATOR) == "stare_per_micro_batch"
     assert POLICY_LOSS_REGISTRY["stare_per_micro_batch"] is pmb.compute_policy_loss_stare_per_micro_batch
-    assert pmb.StarePerMicroBatchPolicyLossConfig().loss_mode == pmb.STARE_COMPARATOR
-    assert pmb.STARE_SELECTED_METRIC in pmb.SELECTED_METRICS
+    assert pmb.StarePerMicroBatchPolicyLossConfig().loss_mode == pmb.NAME
+    assert pmb.SELECTED_METRIC in lab.selected_metrics()

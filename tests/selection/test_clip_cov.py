@@ -14,7 +14,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from verl_klcov_global.selection import clip_cov_quota, select_clip_cov_tokens
+from verl_klcov_global.methods.clip_cov.selection import clip_cov_quota, select_clip_cov_tokens
 from verl_klcov_global.selection.keys import (
     sequence_hashes,
     splitmix64_reference,

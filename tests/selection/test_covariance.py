@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from verl_klcov_global.selection import select_clip_cov_tokens, select_kl_cov_tokens
+from verl_klcov_global.methods.clip_cov.selection import select_clip_cov_tokens
+from verl_klcov_global.methods.kl_cov.selection import select_kl_cov_tokens
 from verl_klcov_global.selection.covariance import CovarianceFigures
 
 from ..support.batches import CLIP_COV_KNOBS, clip_cov_inputs, random_minibatch

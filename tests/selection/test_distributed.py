@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from verl_klcov_global.selection import collectives
-from verl_klcov_global.selection import select_kl_cov_tokens
+from verl_klcov_global.methods.kl_cov.selection import select_kl_cov_tokens
 from verl_klcov_global.selection.collectives import RADIX_BINS, RADIX_ROUNDS
 
 from ..support.batches import random_minibatch
@@ -144,7 +144,7 @@ def _clip_cov_cases():
 
 
 def _run_clip_cov_cases(rank, world_size):
-    from verl_klcov_global.selection import select_clip_cov_tokens
+    from verl_klcov_global.methods.clip_cov.selection import select_clip_cov_tokens
 
     from ..support.batches import reference_candidates
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_klcov_global import HighEntropySelection, high_entropy_quota, select_high_entropy_tokens
-from verl_klcov_global.selection import validate_entropy_top_ratio
+from verl_klcov_global.methods.high_entropy.selection import validate_entropy_top_ratio
 
 
 def reference_selection(entropy: torch.Tensor, response_mask: torch.Tensor, ratio: float):

@@ -9,7 +9,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from verl_klcov_global.selection import kl_cov_quota, select_kl_cov_tokens
+from verl_klcov_global.methods.kl_cov.selection import kl_cov_quota, select_kl_cov_tokens
 
 from ..support import legacy_selection
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verl_klcov_global.selection.lp_reg import lp_reg_quota, select_lp_reg_tokens, validate_lp_reg_ratio
+from verl_klcov_global.methods.lp_reg.selection import lp_reg_quota, select_lp_reg_tokens, validate_lp_reg_ratio
 
 from ..support.batches import random_minibatch
 from ..support.gloo import spawn_gloo

@@ -9,7 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verl_klcov_global.selection.stare import select_stare_tokens, stare_quota, stare_weights, validate_stare_top_ratio
+from verl_klcov_global.methods.stare.selection import (
+    select_stare_tokens,
+    stare_quota,
+    stare_weights,
+    validate_stare_top_ratio,
+)
 
 from ..support.batches import random_minibatch
 from ..support.gloo import spawn_gloo

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from verl_klcov_global.selection import kl_cov_quota
+from verl_klcov_global.methods.kl_cov.selection import kl_cov_quota
 
 
 def random_minibatch(seed: int, batch: int = 16, length: int = 24, *, min_len: int = 1, group: int = 4):

@@ -51,7 +51,8 @@ def first_param_group(engine: BaseEngine) -> dict:
     checkpoints must carry (the controller's, :data:`STATE_KEY`; a mode's update rule's, :mod:`.schedule`)."""
     optimizer = getattr(engine, "optimizer", None)
     if optimizer is None or not optimizer.param_groups:
-        raise RuntimeError("the entropy controller and STARE's gate keep their state in the actor's optimizer, and "
+        raise RuntimeError("the entropy controller and a mode's once-per-trainer-step rule keep their state in the "
+                           "actor's optimizer, and "
                            "this engine has "
                            f"none ({type(engine).__name__}): it trains no parameters")
     return optimizer.param_groups[0]

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from tensordict import TensorDict
 
-from ..config import OLD_POLICY_LAYOUT
+from ..mode_config import OLD_POLICY_LAYOUT
 from ..layout import padded
 from . import reuse
 

@@ -58,7 +58,7 @@ from tensordict import TensorDict
 from verl.workers.engine.base import BaseEngine
 
 from .. import driver
-from ..config import OLD_POLICY_LAYOUT
+from ..mode_config import OLD_POLICY_LAYOUT
 from ..modes import global_mode_of
 from . import reuse
 from .proxy import PROXY_REQUEST_KEY, prepare_model_outputs_with_proxy

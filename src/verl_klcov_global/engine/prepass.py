@@ -69,7 +69,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import BaseEngine
 from verl.workers.utils.padding import no_padding_2_padding
 
-from ..config import OLD_POLICY_LAYOUT
+from ..mode_config import OLD_POLICY_LAYOUT
 from ..layout import fit_width, padded
 from ..modes import ModeSpec, Selection
 from . import reuse

@@ -52,7 +52,7 @@ from tensordict import TensorDict
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.base import BaseEngine
 
-from ..config import MASK_FIELD, PROXY_FIELD, SUPPORTED_STRATEGIES, unsupported_strategy_message
+from ..mode_config import MASK_FIELD, PROXY_FIELD, SUPPORTED_STRATEGIES, unsupported_strategy_message
 from ..layout import mask_in_layout_of, micro_batch_mask, micro_batch_values, values_in_layout_of
 from ..loss import provide_selection_mask
 from ..modes import ModeSpec, global_mode_of

@@ -28,18 +28,22 @@ from ..engine.prepass import PrepassResult
 from ..engine.step import observe_selections
 from ..modes import MODES, ModeSpec
 
+def _lab_comparators() -> dict[str, _per_micro_batch.Comparator]:
+    """The authors' per-loss-call rules of the table's modes (``ModeSpec.comparator``), by name, imported here."""
+    found = (_per_micro_batch.comparator_of(spec) for spec in MODES.values())
+    return {comparator.name: comparator for comparator in found if comparator is not None}
+
+
 #: Upstream rules that only the lab registers (verl has no such loss): name -> (register it in this process,
-#: its ``policy_loss`` config class). ``high_entropy_global``'s upstream is the authors' per-micro-batch rule.
+#: its ``policy_loss`` config class). E.g. ``high_entropy_global``'s upstream is the authors' per-micro-batch rule.
 LAB_UPSTREAMS: dict[str, tuple[Callable[[], str], type]] = {
-    _per_micro_batch.COMPARATOR: (_per_micro_batch.register_comparator,
-                                  _per_micro_batch.HighEntropyPerMicroBatchPolicyLossConfig),
-    _per_micro_batch.STARE_COMPARATOR: (_per_micro_batch.register_stare_comparator,
-                                        _per_micro_batch.StarePerMicroBatchPolicyLossConfig),
-    _per_micro_batch.LP_REG_COMPARATOR: (_per_micro_batch.register_lp_reg_comparator,
-                                         _per_micro_batch.LpRegPerMicroBatchPolicyLossConfig),
+    name: (functools.partial(_per_micro_batch.register, comparator), comparator.config_class)
+    for name, comparator in _lab_comparators().items()
 }
-#: Upstream rules that read each micro-batch's entropy (the engine computes it for them: ``calculate_entropy``).
-ENTROPY_UPSTREAMS = (_per_micro_batch.COMPARATOR,)
+#: Upstream rules that read each micro-batch's entropy (the engine computes it for them: ``calculate_entropy``),
+#: and those that read the proxy held from the log-prob pass.
+ENTROPY_UPSTREAMS = tuple(name for name, c in _lab_comparators().items() if c.reads == "entropy")
+PROXY_UPSTREAMS = tuple(name for name, c in _lab_comparators().items() if c.reads == "proxy")
 
 #: Appended to a global mode's name: that mode with the prepass in the training micro-batch layout
 #: (verl PR #7830's choice), e.g. ``kl_cov_global[prepass=train]``.
@@ -191,7 +195,7 @@ def _counting_ppo_loss(counter: list, config, model_output, data, dp_group=None)
     :func:`.per_micro_batch.ppo_loss_with_entropy` and report their own count."""
     counts = upstream_counts(config.policy_loss.loss_mode)
     loss, metrics = _per_micro_batch.ppo_loss_with_entropy(config, model_output, data, dp_group)
-    reported = next((name for name in _per_micro_batch.SELECTED_METRICS if name in metrics), None)
+    reported = next((name for name in _per_micro_batch.selected_metrics() if name in metrics), None)
     if reported is not None:
         selected = metrics[reported]
         counter.append(round(float(selected.values[0] if hasattr(selected, "values") else selected)))
@@ -217,7 +221,7 @@ def one_update(engine_spec: EngineSpec, batch: TensorDict, actor_config, layout:
 
         tu.assign_non_tensor(td, calculate_entropy=True)  # the training forward computes each micro-batch's entropy
     hold_old_policy_pass(engine, td, actor_config)
-    if actor_config.policy_loss.get("loss_mode", "vanilla") == _per_micro_batch.LP_REG_COMPARATOR:
+    if actor_config.policy_loss.get("loss_mode", "vanilla") in PROXY_UPSTREAMS:
         _store_comparator_proxy(engine, td, actor_config)
     quotas: list[int] = []
     selections: list[PrepassResult] = []
@@ -240,21 +244,22 @@ def one_update(engine_spec: EngineSpec, batch: TensorDict, actor_config, layout:
 
 
 def _store_comparator_proxy(engine, td: TensorDict, actor_config) -> None:
-    """Lp-Reg's proxy for the lab's comparator (``lp_reg_per_micro_batch``): the same log-prob pass of pi_old that
-    ``lp_reg_global`` holds, stored as the per-token field ``PROXY_FIELD`` of ``td`` (verl's split carries
-    each micro-batch's slice to the comparator's loss call)."""
-    from ..config import PROXY_FIELD
+    """The proxy for a lab comparator that reads it (``reads="proxy"``, e.g. ``lp_reg_per_micro_batch``): the same
+    log-prob pass of pi_old that its global mode holds, stored as the per-token field ``PROXY_FIELD`` of ``td``
+    (verl's split carries each micro-batch's slice to the comparator's loss call)."""
+    from ..mode_config import PROXY_FIELD
     from ..engine import reuse
     from ..engine.proxy import PROXY_REQUEST_KEY
     from ..layout import values_in_layout_of
 
-    mode = upstream_counts(_per_micro_batch.LP_REG_COMPARATOR)  # lp_reg_global: the comparator takes its knobs
+    loss_mode = actor_config.policy_loss.get("loss_mode", "vanilla")
+    mode = upstream_counts(loss_mode)  # the global mode whose upstream it is: the comparator takes its knobs
     min_p = float(mode.proxy_min_p(mode.read_settings(actor_config)))
     log_prob_pass(engine, td, reuse.log_prob_pass(engine, keep_entropy=False, keep_proxy=True),
                   extra={PROXY_REQUEST_KEY: min_p})
     proxy, why = reuse.held_proxy(engine, td)
     if proxy is None:
-        raise RuntimeError(f"{_per_micro_batch.LP_REG_COMPARATOR}: no proxy held from the log-prob pass: {why}")
+        raise RuntimeError(f"{loss_mode}: no proxy held from the log-prob pass: {why}")
     td[PROXY_FIELD] = values_in_layout_of(proxy, td["response_mask"], dtype=torch.float32)
 
 
@@ -269,7 +274,7 @@ def hold_old_policy_pass(engine, td: TensorDict, actor_config) -> None:
     does, never with the training layout's: the held statistics are then one computation for every training layout
     diagnose compares (where a row's last bits follow its micro-batch company they would otherwise differ, and a
     near-tie of the selection could flip)."""
-    from ..config import OLD_POLICY_LAYOUT
+    from ..mode_config import OLD_POLICY_LAYOUT
     from ..engine import reuse
     from ..modes import global_mode_of
 

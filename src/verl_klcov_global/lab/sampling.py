@@ -9,7 +9,7 @@ differ and, rarely, so may a draw.
 
 :func:`arithmetic_prompts` is the built-in prompt set: small sums and differences made from a seed,
 with their answers (for a reward that reads the decoded text). SmolLM2-135M-Instruct answers 3% of them (docs/
-REAL_MODEL.md); :func:`repeat_prompts` ("Repeat this number: N") is the set it answers about a third of, where GRPO
+EVIDENCE.md); :func:`repeat_prompts` ("Repeat this number: N") is the set it answers about a third of, where GRPO
 groups have reward variance to learn from. :func:`sample_token_responses` samples after prompts already tokenized
 (a rollout's input); :func:`sample_after_random_prompts` after random prompt ids, every response at full length (a
 model without a chat template, minibatches of one shape).

@@ -213,14 +213,9 @@ def build_random_model(
     0.5B model in seconds) after ``torch.manual_seed(seed)`` and saved in ``dtype``. Idempotent and
     safe for concurrent callers, like :func:`build_tiny_model`.
     """
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tiny_qwen2_", dir=parent)
-    try:
+    def write(folder: str) -> None:
         tok = build_tokenizer(tokenizer)
         if len(tok) > model_kwargs["vocab_size"]:
             raise ValueError(f"vocab_size {model_kwargs['vocab_size']} < the {tokenizer!r} tokenizer's {len(tok)} ids")
@@ -230,18 +225,11 @@ def build_random_model(
         torch.manual_seed(seed)
         with torch.device(device):
             model = Qwen2ForCausalLM(config)
-        model.to(device="cpu", dtype=dtype).save_pretrained(tmp)
-        del model
-        tok.save_pretrained(tmp)
-        GenerationConfig(**ids).save_pretrained(tmp)
-        try:
-            os.rename(tmp, path)
-        except OSError:
-            if not os.path.exists(os.path.join(path, "config.json")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+        model.to(device="cpu", dtype=dtype).save_pretrained(folder)
+        tok.save_pretrained(folder)
+        GenerationConfig(**ids).save_pretrained(folder)
+
+    return _write_model_folder_once(path, ".tiny_qwen2_", write)
 
 
 def build_peaked_model(path: str, source: str, scale: float) -> str:
@@ -251,22 +239,31 @@ def build_peaked_model(path: str, source: str, scale: float) -> str:
     model's is near-uniform: max / median p about 1.6). Tokenizer and configs are copied. Idempotent and safe for
     concurrent callers, like :func:`build_tiny_model`.
     """
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
     from transformers import AutoModelForCausalLM
 
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".peaked_qwen2_", dir=parent)
-    try:
-        shutil.copytree(source, tmp, dirs_exist_ok=True)
+    def write(folder: str) -> None:
+        shutil.copytree(source, folder, dirs_exist_ok=True)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         if getattr(model.config, "tie_word_embeddings", False):
             raise ValueError(f"{source}: the LM head is tied to the input embeddings; scaling it would scale them too")
         with torch.no_grad():
             model.lm_head.weight.mul_(scale)
-        model.save_pretrained(tmp)
-        del model
+        model.save_pretrained(folder)
+
+    return _write_model_folder_once(path, ".peaked_qwen2_", write)
+
+
+def _write_model_folder_once(path: str, prefix: str, write) -> str:
+    """``path``, written by ``write(folder)`` into a temporary folder beside it and renamed into place, unless it
+    already holds a ``config.json``: idempotent and safe for concurrent callers (the first rename wins, the others'
+    folders are removed)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    try:
+        write(tmp)
         try:
             os.rename(tmp, path)
         except OSError:
@@ -541,8 +538,6 @@ def compute_current_log_probs(engine, td: TensorDict) -> torch.Tensor:
 
 def make_actor_config(
     loss_mode: str = "vanilla",
-    kl_cov_ratio: float = 0.0002,
-    ppo_kl_coef: float = 1.0,
     loss_agg_mode: str = "token-mean",
     entropy_coeff: float = 0.0,
     use_kl_loss: bool = False,
@@ -552,12 +547,19 @@ def make_actor_config(
 
     The trainer builds the same class via ``omega_conf_to_dataclass(actor)``.
     Defaults: strategy "fsdp", rollout_n 1, ppo_mini_batch_size 64,
-    ppo_micro_batch_size_per_gpu 8. ``overrides`` go to ``FSDPActorConfig``;
-    a ``policy_loss`` override replaces the one built from ``loss_mode``,
-    ``kl_cov_ratio`` and ``ppo_kl_coef``.
+    ppo_micro_batch_size_per_gpu 8. An override that is a field of verl's ``PolicyLossConfig`` and not of the actor
+    config (e.g. ``kl_cov_ratio``) goes to the ``policy_loss`` built from ``loss_mode``, with ``ppo_kl_coef`` 1.0
+    (the KL-Cov paper's, not verl's 0.1) unless given; the other overrides go to ``FSDPActorConfig``. A
+    ``policy_loss`` override replaces the built one.
     """
+    import dataclasses
+
     from verl.workers.config import FSDPActorConfig, PolicyLossConfig
 
+    actor_fields = {field.name for field in dataclasses.fields(FSDPActorConfig)}
+    loss_fields = {field.name for field in dataclasses.fields(PolicyLossConfig)} - actor_fields
+    policy_loss_knobs = {"ppo_kl_coef": 1.0}
+    policy_loss_knobs.update({key: overrides.pop(key) for key in list(overrides) if key in loss_fields})
     kwargs: dict[str, Any] = dict(
         strategy="fsdp",
         rollout_n=1,
@@ -570,7 +572,5 @@ def make_actor_config(
     )
     kwargs.update(overrides)
     if "policy_loss" not in kwargs:
-        kwargs["policy_loss"] = PolicyLossConfig(
-            loss_mode=loss_mode, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef
-        )
+        kwargs["policy_loss"] = PolicyLossConfig(loss_mode=loss_mode, **policy_loss_knobs)
     return FSDPActorConfig(**kwargs)

@@ -41,6 +41,14 @@ def validate_ratio(ratio: Any, key: str, example: str) -> float:
     return value
 
 
+def validate_clip_ratio(value: Any, key: str) -> float:
+    """A PPO clip ratio (``clip_ratio_low`` / ``clip_ratio_high``) as float if finite and >= 0, else ValueError."""
+    number = finite_number(value)
+    if number is None or number < 0:
+        raise ValueError(f"{key} must be finite and >= 0, got {value!r}; {setting(key, '0.2', ACTOR)}")
+    return number
+
+
 def ratio_quota(num_valid: int, ratio: float) -> int:
     """Upstream kl_cov's and clip_cov's quota ``max(1, int(num_valid * ratio))``; 0 when there are no valid tokens."""
     if num_valid <= 0:

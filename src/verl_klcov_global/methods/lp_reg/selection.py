@@ -47,15 +47,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import (
-    agree_and_mean,
-    all_reduce,
-    fixed_point_scale,
-    fixed_point_sums,
-    float_order_keys,
-    select_largest_keys,
-)
-from .knobs import finite_number, setting
+from ...selection.collectives import float_order_keys
+from ...selection.knobs import finite_number, setting
+from ...selection.signed import SignedSelection, group_sums, split_by_sign, take_largest
 
 __all__ = ["LpRegSelection", "lp_reg_quota", "select_lp_reg_tokens", "validate_lp_reg_ratio"]
 
@@ -68,44 +62,16 @@ _EXAMPLES = {
 
 
 @dataclass(frozen=True)
-class LpRegSelection:
-    """Result of :func:`select_lp_reg_tokens`.
+class LpRegSelection(SignedSelection):
+    """Result of :func:`select_lp_reg_tokens`: the fields of :class:`~verl_klcov_global.selection.signed.SignedSelection`
+    (``L- | L+``), and ``log_prob_mean``, the mean log-prob of the valid tokens, and ``selected_log_prob_mean``, of
+    the selected ones (``nan`` when undefined)."""
 
-    Attributes:
-        mask: bool (batch, response_len), this rank's tokens in ``L- | L+``.
-        quota: ``k- + k+``; ``num_selected`` equals it.
-        negative_quota, positive_quota: ``k-`` and ``k+``.
-        negative_candidates, positive_candidates: ``|T-|`` and ``|T+|`` over the group.
-        num_valid: valid tokens over the group (``A = 0`` included); ``num_nonfinite``: tokens under the mask
-            whose log-prob or advantage is not finite.
-        log_prob_mean: mean log-prob of the valid tokens; ``selected_log_prob_mean``: of the selected ones
-            (``nan`` when undefined).
-    """
-
-    mask: torch.Tensor
-    quota: int
-    num_selected: int
-    negative_quota: int
-    positive_quota: int
-    negative_candidates: int
-    positive_candidates: int
-    num_valid: int
-    num_nonfinite: int
     log_prob_mean: float = math.nan
     selected_log_prob_mean: float = math.nan
 
-    def figures(self) -> dict[str, float]:
-        """The scalar figures, for logging (names without a prefix); undefined ones are left out (no NaN)."""
-        figures = {
-            "quota": float(self.quota), "selected": float(self.num_selected),
-            "selected_negative": float(self.negative_quota), "selected_positive": float(self.positive_quota),
-            "candidates_negative": float(self.negative_candidates),
-            "candidates_positive": float(self.positive_candidates),
-            "valid_tokens": float(self.num_valid), "nonfinite_tokens": float(self.num_nonfinite),
-        }
-        named = {"log_prob_mean": self.log_prob_mean, "selected_log_prob_mean": self.selected_log_prob_mean}
-        figures.update({name: value for name, value in named.items() if not math.isnan(value)})
-        return figures
+    def statistics(self) -> dict[str, float]:
+        return {"log_prob_mean": self.log_prob_mean, "selected_log_prob_mean": self.selected_log_prob_mean}
 
 
 def validate_lp_reg_ratio(ratio: Any, key: str = NEG_RATIO_KEY) -> float:
@@ -146,40 +112,19 @@ def select_lp_reg_tokens(
     """
     rho_negative = validate_lp_reg_ratio(neg_ratio, NEG_RATIO_KEY)
     rho_positive = validate_lp_reg_ratio(pos_ratio, POS_RATIO_KEY)
-    if not (log_probs.shape == advantages.shape == response_mask.shape) or log_probs.dim() != 2:
-        raise ValueError("log_probs, advantages and response_mask must be 2-D tensors of one shape (batch, "
-                         f"response_len); got {tuple(log_probs.shape)}, {tuple(advantages.shape)}, "
-                         f"{tuple(response_mask.shape)}")
-    lp = log_probs.detach()
-    lp = lp if lp.is_floating_point() else lp.to(torch.float64)
-    adv = advantages.detach()
-    adv = adv if adv.is_floating_point() else adv.to(torch.float64)
-    agreed = {NEG_RATIO_KEY: rho_negative, POS_RATIO_KEY: rho_positive}
-    means = agree_and_mean((lp, adv), response_mask.bool(), agreed, group)
-    log_prob = means.values[0]  # float64; 0 outside ``valid``
-    negative = means.valid & (means.values[1] < 0)
-    positive = means.valid & (means.values[1] > 0)
-    counts = all_reduce(torch.stack([negative.sum(), positive.sum()]).to(torch.int64), dist.ReduceOp.SUM, group)
-    n_negative, n_positive = (int(x) for x in counts.tolist())
-    k_negative = lp_reg_quota(n_negative, rho_negative)
-    k_positive = lp_reg_quota(n_positive, rho_positive)
-    keys = float_order_keys(-log_prob)  # the lowest log-probs are the largest keys (negation is exact)
-    mask = torch.zeros_like(means.valid)
-    if k_negative:
-        mask |= select_largest_keys(keys, negative, k_negative, n_negative, group).mask
-    if k_positive:
-        mask |= select_largest_keys(keys, positive, k_positive, n_positive, group).mask
-    bound = means.maxima[0]  # max |log pi| over the group's valid tokens
-    zero = log_prob.new_zeros(())
-    sums = all_reduce(fixed_point_sums((log_prob, torch.where(mask, log_prob, zero)), bound, means.num_valid),
-                      dist.ReduceOp.SUM, group)
-    total, chosen = (int(x) for x in sums.tolist())
-    scale = fixed_point_scale(bound, means.num_valid)
-    quota = k_negative + k_positive
+    sets = split_by_sign(log_probs, advantages, response_mask,
+                         {NEG_RATIO_KEY: rho_negative, POS_RATIO_KEY: rho_positive}, group)
+    log_prob = sets.means.values[0]  # float64; 0 outside ``valid``
+    k_negative = lp_reg_quota(sets.n_negative, rho_negative)
+    k_positive = lp_reg_quota(sets.n_positive, rho_positive)
+    # the lowest log-probs are the largest keys (negation is exact)
+    mask = take_largest(float_order_keys(-log_prob), sets, k_positive, k_negative, group)
+    total, chosen, scale = group_sums(log_prob, mask, sets, group)
+    num_valid, quota = sets.means.num_valid, k_negative + k_positive
     return LpRegSelection(
         mask=mask, quota=quota, num_selected=quota, negative_quota=k_negative, positive_quota=k_positive,
-        negative_candidates=n_negative, positive_candidates=n_positive, num_valid=means.num_valid,
-        num_nonfinite=means.num_nonfinite,
-        log_prob_mean=total * scale / means.num_valid if means.num_valid else math.nan,
+        negative_candidates=sets.n_negative, positive_candidates=sets.n_positive, num_valid=num_valid,
+        num_nonfinite=sets.means.num_nonfinite,
+        log_prob_mean=total * scale / num_valid if num_valid else math.nan,
         selected_log_prob_mean=chosen * scale / quota if quota else math.nan,
     )

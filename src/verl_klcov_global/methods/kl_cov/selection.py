@@ -44,9 +44,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import agree_and_mean, all_reduce, float_order_keys, key_to_float, select_largest_keys
-from .covariance import CovarianceFigures, covariance_bound, covariance_figures, local_covariance_sums
-from .knobs import ratio_quota, validate_ratio
+from ...selection.collectives import agree_and_mean, all_reduce, float_order_keys, key_to_float, select_largest_keys
+from ...selection.covariance import CovarianceFigures, covariance_bound, covariance_figures, local_covariance_sums
+from ...selection.knobs import ratio_quota, validate_ratio
 
 __all__ = ["KLCovSelection", "select_kl_cov_tokens", "kl_cov_quota", "validate_kl_cov_ratio"]
 

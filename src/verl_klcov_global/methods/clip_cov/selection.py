@@ -45,10 +45,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import agree_and_mean, all_reduce, select_largest_keys
-from .covariance import CovarianceFigures, covariance_bound, covariance_figures, local_covariance_sums
-from .keys import MAX_SEED, sequence_hashes, token_keys
-from .knobs import ACTOR, finite_number, ratio_quota, setting, validate_ratio
+from ...selection.collectives import agree_and_mean, all_reduce, select_largest_keys
+from ...selection.covariance import CovarianceFigures, covariance_bound, covariance_figures, local_covariance_sums
+from ...selection.keys import MAX_SEED, sequence_hashes, token_keys
+from ...selection.knobs import ACTOR, finite_number, ratio_quota, setting, validate_clip_ratio, validate_ratio
 
 __all__ = [
     "ClipCovSelection",
@@ -133,14 +133,6 @@ def validate_clip_cov_seed(seed: Any) -> int:
             f"clip_cov_seed must be an integer in [0, 2**53), got {seed!r}; " + setting("clip_cov_seed", "0")
         )
     return value
-
-
-def validate_clip_ratio(value: Any, key: str) -> float:
-    """A PPO clip ratio (``clip_ratio_low`` / ``clip_ratio_high``) as float if finite and >= 0, else ValueError."""
-    number = finite_number(value)
-    if number is None or number < 0:
-        raise ValueError(f"{key} must be finite and >= 0, got {value!r}; {setting(key, '0.2', ACTOR)}")
-    return number
 
 
 #: Upstream clip_cov's quota ``max(int(ratio * num_valid), 1)`` (0 without valid tokens); the same rule as kl_cov's.

@@ -47,7 +47,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import (
+from ...selection.collectives import (
     agree_and_mean,
     all_reduce,
     fixed_point_scale,
@@ -56,7 +56,7 @@ from .collectives import (
     key_to_float,
     select_largest_keys,
 )
-from .knobs import ratio_quota, validate_ratio
+from ...selection.knobs import ratio_quota, validate_ratio
 
 __all__ = ["HighEntropySelection", "high_entropy_quota", "select_high_entropy_tokens",
            "validate_entropy_top_ratio"]

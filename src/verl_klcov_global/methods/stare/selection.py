@@ -40,15 +40,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import (
-    agree_and_mean,
-    all_reduce,
-    fixed_point_scale,
-    fixed_point_sums,
-    float_order_keys,
-    select_largest_keys,
-)
-from .knobs import finite_number, setting
+from ...selection.collectives import float_order_keys
+from ...selection.knobs import finite_number, setting
+from ...selection.signed import SignedSelection, group_sums, split_by_sign, take_largest
 
 __all__ = ["StareSelection", "select_stare_tokens", "stare_quota", "stare_weights", "validate_stare_top_ratio"]
 
@@ -57,44 +51,17 @@ TOP_RATIO_EXAMPLE = "0.1 (a fraction: 0.1 takes the 10% most surprising tokens o
 
 
 @dataclass(frozen=True)
-class StareSelection:
-    """Result of :func:`select_stare_tokens`.
+class StareSelection(SignedSelection):
+    """Result of :func:`select_stare_tokens`: the fields of :class:`~verl_klcov_global.selection.signed.SignedSelection`
+    (``L+ | L-``; ``k-`` is 0 without ``with_negative``), and ``surprisal_mean``, the mean surprisal of the valid
+    tokens, and ``selected_surprisal_share``, the selected tokens' share of the valid tokens' summed surprisal
+    (``nan`` when undefined)."""
 
-    Attributes:
-        mask: bool (batch, response_len), this rank's tokens in ``L+ | L-``.
-        quota: ``k+ + k-``; ``num_selected`` equals it.
-        positive_quota, negative_quota: ``k+`` and ``k-`` (``k-`` is 0 without ``with_negative``).
-        positive_candidates, negative_candidates: ``|T+|`` and ``|T-|`` over the group.
-        num_valid: valid tokens over the group (``A = 0`` included); ``num_nonfinite``: tokens under the mask
-            whose log-prob or advantage is not finite.
-        surprisal_mean: mean surprisal of the valid tokens; ``selected_surprisal_share``: the selected tokens'
-            share of the valid tokens' summed surprisal (``nan`` when undefined).
-    """
-
-    mask: torch.Tensor
-    quota: int
-    num_selected: int
-    positive_quota: int
-    negative_quota: int
-    positive_candidates: int
-    negative_candidates: int
-    num_valid: int
-    num_nonfinite: int
     surprisal_mean: float = math.nan
     selected_surprisal_share: float = math.nan
 
-    def figures(self) -> dict[str, float]:
-        """The scalar figures, for logging (names without a prefix); undefined ones are left out (no NaN)."""
-        figures = {
-            "quota": float(self.quota), "selected": float(self.num_selected),
-            "selected_positive": float(self.positive_quota), "selected_negative": float(self.negative_quota),
-            "candidates_positive": float(self.positive_candidates),
-            "candidates_negative": float(self.negative_candidates),
-            "valid_tokens": float(self.num_valid), "nonfinite_tokens": float(self.num_nonfinite),
-        }
-        named = {"surprisal_mean": self.surprisal_mean, "selected_surprisal_share": self.selected_surprisal_share}
-        figures.update({name: value for name, value in named.items() if not math.isnan(value)})
-        return figures
+    def statistics(self) -> dict[str, float]:
+        return {"surprisal_mean": self.surprisal_mean, "selected_surprisal_share": self.selected_surprisal_share}
 
 
 def validate_stare_top_ratio(ratio: Any) -> float:
@@ -134,41 +101,19 @@ def select_stare_tokens(
             must call this with the same ``top_ratio`` (ranks that disagree all raise) and ``with_negative``.
     """
     ratio = validate_stare_top_ratio(top_ratio)
-    if not (log_probs.shape == advantages.shape == response_mask.shape) or log_probs.dim() != 2:
-        raise ValueError("log_probs, advantages and response_mask must be 2-D tensors of one shape (batch, "
-                         f"response_len); got {tuple(log_probs.shape)}, {tuple(advantages.shape)}, "
-                         f"{tuple(response_mask.shape)}")
-    lp = log_probs.detach()
-    lp = lp if lp.is_floating_point() else lp.to(torch.float64)
-    adv = advantages.detach()
-    adv = adv if adv.is_floating_point() else adv.to(torch.float64)
     agreed = {TOP_RATIO_KEY: ratio, "stare_variant": float(bool(with_negative))}  # 0: O1, 1: C2
-    means = agree_and_mean((lp, adv), response_mask.bool(), agreed, group)
-    surprisal = -means.values[0]  # float64, exact negation; 0 outside ``valid``
-    positive = means.valid & (means.values[1] > 0)
-    negative = means.valid & (means.values[1] < 0)
-    counts = all_reduce(torch.stack([positive.sum(), negative.sum()]).to(torch.int64), dist.ReduceOp.SUM, group)
-    n_positive, n_negative = (int(x) for x in counts.tolist())
-    k_positive = stare_quota(n_positive, ratio)
-    k_negative = stare_quota(n_negative, ratio) if with_negative else 0
-    keys = float_order_keys(surprisal)
-    mask = torch.zeros_like(means.valid)
-    if k_positive:
-        mask |= select_largest_keys(keys, positive, k_positive, n_positive, group).mask
-    if k_negative:
-        mask |= select_largest_keys(keys, negative, k_negative, n_negative, group).mask
-    bound = means.maxima[0]  # max |log pi| over the group's valid tokens
-    zero = surprisal.new_zeros(())
-    sums = all_reduce(fixed_point_sums((surprisal, torch.where(mask, surprisal, zero)), bound, means.num_valid),
-                      dist.ReduceOp.SUM, group)
-    total, chosen = (int(x) for x in sums.tolist())
-    scale = fixed_point_scale(bound, means.num_valid)
-    quota = k_positive + k_negative
+    sets = split_by_sign(log_probs, advantages, response_mask, agreed, group)
+    surprisal = -sets.means.values[0]  # float64, exact negation; 0 outside ``valid``
+    k_positive = stare_quota(sets.n_positive, ratio)
+    k_negative = stare_quota(sets.n_negative, ratio) if with_negative else 0
+    mask = take_largest(float_order_keys(surprisal), sets, k_positive, k_negative, group)
+    total, chosen, scale = group_sums(surprisal, mask, sets, group)
+    num_valid, quota = sets.means.num_valid, k_positive + k_negative
     return StareSelection(
         mask=mask, quota=quota, num_selected=quota, positive_quota=k_positive, negative_quota=k_negative,
-        positive_candidates=n_positive, negative_candidates=n_negative, num_valid=means.num_valid,
-        num_nonfinite=means.num_nonfinite,
-        surprisal_mean=total * scale / means.num_valid if means.num_valid else math.nan,
+        positive_candidates=sets.n_positive, negative_candidates=sets.n_negative, num_valid=num_valid,
+        num_nonfinite=sets.means.num_nonfinite,
+        surprisal_mean=total * scale / num_valid if num_valid else math.nan,
         selected_surprisal_share=chosen / total if total > 0 else math.nan,
     )
 

@@ -1,0 +1,78 @@
+"""KL-Cov (Cui et al. 2025, arXiv:2505.22617; verl's ``kl_cov``): its knobs, settings and config class.
+
+``kl_cov_ratio`` and ``ppo_kl_coef`` are verl's own ``PolicyLossConfig`` fields and mean what they mean for verl's
+``kl_cov``; the class adds the shared knobs (:class:`~verl_klcov_global.mode_config.GlobalModePolicyLossConfig`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+from ...entropy_control import EntropyControlSettings
+from ...knob_doc import KnobDoc
+from ...mode_config import (
+    DEFAULT_COV_CONTROL_BOUNDS,
+    RATIO_OF_MINIBATCH,
+    GlobalModePolicyLossConfig,
+    common_settings,
+    knob_value,
+    policy_loss_of,
+)
+from ...selection.knobs import finite_number, setting
+from .selection import validate_kl_cov_ratio
+
+
+# Upstream kl_cov's fallbacks when a field is None (verl 0.9.1 core_algos.py ~1884).
+_DEFAULT_RATIO = 0.0002
+_DEFAULT_COEF = 1.0
+
+
+@dataclass(frozen=True)
+class KLCovGlobalSettings:
+    """Validated knobs of one actor config."""
+
+    kl_cov_ratio: float
+    ppo_kl_coef: float
+    prepass_layout: str
+    entropy_control: Optional[EntropyControlSettings] = None
+
+
+def validate_ppo_kl_coef(coef: Any) -> float:
+    """Return ``coef`` as float if it is a finite number >= 0 (not a bool or a string), else raise ValueError."""
+    value = finite_number(coef)
+    if value is None or value < 0:
+        raise ValueError(
+            f"ppo_kl_coef must be finite and >= 0, got {coef!r}; " + setting("ppo_kl_coef", "1.0 (the paper's value)")
+        )
+    return value
+
+
+def read_kl_cov_settings(actor_config: Any) -> KLCovGlobalSettings:
+    """Validated :class:`KLCovGlobalSettings` from an actor config's ``policy_loss``."""
+    policy_loss = policy_loss_of(actor_config, "kl_cov_global")
+    return KLCovGlobalSettings(
+        kl_cov_ratio=validate_kl_cov_ratio(knob_value(policy_loss, "kl_cov_ratio", _DEFAULT_RATIO)),
+        ppo_kl_coef=validate_ppo_kl_coef(knob_value(policy_loss, "ppo_kl_coef", _DEFAULT_COEF)),
+        **common_settings(policy_loss, DEFAULT_COV_CONTROL_BOUNDS),
+    )
+
+
+@dataclass
+class KLCovGlobalPolicyLossConfig(GlobalModePolicyLossConfig):
+    """verl's ``PolicyLossConfig`` plus this plugin's knobs (:class:`GlobalModePolicyLossConfig`), validated on
+    construction.
+
+    Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_klcov_global.config.KLCovGlobalPolicyLossConfig``.
+    """
+
+    VERL_KNOBS: ClassVar[dict[str, KnobDoc]] = {
+        "kl_cov_ratio": KnobDoc(f"fraction {RATIO_OF_MINIBATCH} that get the penalty", "finite, (0, 1]"),
+        "ppo_kl_coef": KnobDoc("coefficient of `\\|log π − log π_old\\|` on the selected tokens", "finite, >= 0",
+                               default_note="; 1.0 in `kl_cov_global.yaml` (the paper's)"),
+    }
+    loss_mode: str = "kl_cov_global"
+
+    def validate_knobs(self) -> None:
+        validate_kl_cov_ratio(self.kl_cov_ratio)
+        validate_ppo_kl_coef(self.ppo_kl_coef)
