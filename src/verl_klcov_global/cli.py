@@ -13,36 +13,21 @@ from typing import Optional, Sequence
 from .modes import MODES
 
 
-def _knob_option_modes() -> list[tuple[str, object]]:
-    """(knob, its mode) for every knob of the table's modes that ``diagnose`` has an option of its own for (a
-    ``DiagnoseOptions`` field), in the table's order; ``prepass_layout`` is diagnose's own layout comparison."""
-    from .diagnose.run import DiagnoseOptions
-
-    fields = {f.name for f in dataclasses.fields(DiagnoseOptions)}
-    found: dict[str, object] = {}
-    for mode in MODES.values():
-        for knob in mode.knobs:
-            if knob in fields and knob != "prepass_layout":
-                found.setdefault(knob, mode)
-    return list(found.items())
-
-
 def _add_knob_options(add) -> None:
-    """``--kl-cov-ratio``, ``--stare-top-ratio``, ...: one option per knob of :func:`_knob_option_modes`, made from
-    the knob's config-class field (help, choices) and diagnose's default (:mod:`.diagnose.run`); each is the same
-    as ``--set KNOB=VALUE``."""
+    """``--kl-cov-ratio``, ...: one flag per knob diagnose has one for (:func:`.diagnose.knobs.flag_knobs`), made from
+    the knob's config-class field (help, choices) and diagnose's default (:func:`.diagnose.knobs.knob_default`, with
+    the reason where it departs from the mode's); each is the same as ``--set KNOB=VALUE``."""
     import re
 
-    from .diagnose.run import DIAGNOSE_DEPARTURES, DiagnoseOptions
-    from .knob_doc import default_of, doc_of
+    from .diagnose.knobs import DIAGNOSE_DEPARTURES, flag_knobs, knob_default, mode_default
+    from .knob_doc import doc_of
 
-    defaults = DiagnoseOptions()
-    for knob, mode in _knob_option_modes():
-        doc, value = doc_of(mode.config_class, knob), getattr(defaults, knob)
+    for knob, mode in flag_knobs().items():
+        doc, value = doc_of(mode.config_class, knob), knob_default(knob)
         words = re.sub(r"\s*\(?\[[^\]]*\]\([^)]*\)\)?", "", doc.help).replace("`", "").replace("\\|", "|")
         default = f"default {value}"
         if knob in DIAGNOSE_DEPARTURES:
-            default += f": {DIAGNOSE_DEPARTURES[knob][1]}; the mode's default {default_of(mode.config_class, knob)}"
+            default += f": {DIAGNOSE_DEPARTURES[knob].why}; the mode's default {mode_default(knob)}"
         upstream = f" and its comparator {mode.upstream}" if mode.upstream else ""
         help_text = f"{mode.name}{upstream}: {words} (policy_loss.{knob}; {default})"
         flag = "--" + knob.replace("_", "-")
@@ -55,14 +40,22 @@ def _add_knob_options(add) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line: ``diagnose`` and ``prepare-model``."""
     parser = argparse.ArgumentParser(
         prog="verl-klcov-global",
-        description=("verl plugin: KL-Cov, Clip-Cov, the 80/20 rule, STARE and Lp-Reg with a token selection that does "
+        description=(f"verl plugin: the loss modes {', '.join(MODES)} with a token selection that does "
                      "not depend on the micro-batch size, and on the DP size only as far as the prepass log-probs do "
                      "(README: What is guaranteed). Commands: diagnose (does an update depend on the micro-batch "
                      "size?) and prepare-model (a real pretrained LM for diagnose, converted once)."),
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_diagnose_command(commands)
+    _add_prepare_model_command(commands)
+    return parser
+
+
+def _add_diagnose_command(commands) -> None:
+    """``diagnose``: its options, then those of a run on the user's own training config."""
     diagnose = commands.add_parser(
         "diagnose",
         help="run the experiment of verl issue #7829: does the update depend on the micro-batch size?",
@@ -81,14 +74,35 @@ def build_parser() -> argparse.ArgumentParser:
     # Absent options leave no attribute, so --config-name can tell which were given (_usage_errors);
     # DiagnoseOptions holds the defaults the help texts state.
     add = functools.partial(_add_suppressed, diagnose)
+    _add_model_and_shape_options(add)
+    _add_loss_options(add)
+    _add_knob_options(add)
+    from .diagnose.knobs import example_knob
+
+    knob, value = example_knob()
+    add("--set", dest="set_knobs", action="append", metavar="KEY=VALUE",
+        help="a knob of the mode(s) diagnosed, by its policy_loss key (ModeSpec.knobs), for any mode of the table, "
+             f"built-in or yours: e.g. --set rare_token_max_prob=0.3, --set {knob}={value} (the same as "
+             f"--{knob.replace('_', '-')} {value}). Repeatable; the value is read as YAML and validated by the mode's "
+             "config class and its read_settings. With --config-name: override actor_rollout_ref.actor.policy_loss.KEY "
+             "instead")
+    add("--strategy", choices=["fsdp", "fsdp2"], help="default fsdp")
+    add("--json", dest="json_path", help="also write the full report as JSON to this file")
+    _add_config_options(diagnose)
+
+
+def _add_model_and_shape_options(add) -> None:
+    """The model, its responses, the device and dtype, the micro-batching and the minibatch's shape."""
+    peaked = [name for name, mode in MODES.items() if mode.proxy_min_p is not None]
     add("--model", help="local HF checkpoint folder, or smollm2 (SmolLM2-135M-Instruct, prepared once by "
                         "`verl-klcov-global prepare-model smollm2`; a folder of that name here wins) (default: an "
                         "embedded tiny Qwen2 built locally)")
     add("--responses", choices=["auto", "sampled", "random"],
         help="the minibatch's tokens: sampled from the model (chat template, built-in arithmetic prompts, stopped "
              "at EOS), random ids, or auto (the default: sampled when the model has a chat template; with the "
-             "embedded tiny model, random ids, and the Lp-Reg rows run on its peaked copy and responses sampled "
-             "from it, docs/DIAGNOSE.md)")
+             "embedded tiny model, random ids"
+             + (f", and the rows of {', '.join(peaked)} (a min-p proxy of pi_old) run on its peaked copy and "
+                "responses sampled from it" if peaked else "") + ", docs/DIAGNOSE.md)")
     add("--samples-per-prompt", type=int, help="sampled responses per prompt, the GRPO group (default 4)")
     add("--temperature", type=float, help="sampling temperature of sampled responses (default 1.0)")
     add("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
@@ -101,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batch-size", type=int, help="sequences in the minibatch (default 64)")
     add("--prompt-len", type=int, help="default 16 (random ids; sampled responses have their templated prompts' length)")
     add("--response-len", type=int, help="default 128 (sampled responses: the most new tokens, fewer where EOS comes)")
+
+
+def _add_loss_options(add) -> None:
+    """What is diagnosed: a mode of the table, every one, or a loss outside it (after ``--import``)."""
     add("--loss-mode", metavar="NAME",
         help=f"what to diagnose: all (the default: every mode of the plugin's table), one of them "
              f"({', '.join(MODES)}), or any other loss in verl's POLICY_LOSS_REGISTRY, e.g. your own registered by "
@@ -113,14 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
              "measurement, and print a table of them")
     add("--verbose", action="store_true",
         help="show verl's own warnings and logs (at import and while the engines work); hidden by default")
-    _add_knob_options(add)
-    add("--set", dest="set_knobs", action="append", metavar="KEY=VALUE",
-        help="a knob of the mode(s) diagnosed, by its policy_loss key (ModeSpec.knobs), for any mode of the table, "
-             "built-in or yours: e.g. --set rare_token_max_prob=0.3, --set stare_top_ratio=0.2 (the same as "
-             "--stare-top-ratio 0.2). Repeatable; the value is read as YAML and validated by the mode's config class "
-             "and its read_settings. With --config-name: override actor_rollout_ref.actor.policy_loss.KEY instead")
-    add("--strategy", choices=["fsdp", "fsdp2"], help="default fsdp")
-    add("--json", dest="json_path", help="also write the full report as JSON to this file")
+
+
+def _add_config_options(diagnose: argparse.ArgumentParser) -> None:
+    """``--config-name`` and what goes with it: diagnose on the user's own verl training config."""
     config = diagnose.add_argument_group(
         "your training config",
         "Run diagnose on your own verl training config, composed as python -m verl.trainer.main_ppo composes it: "
@@ -142,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "are scaled down (default 2048 on cpu, 16384 on cuda)")
     config.add_argument("--tiny-model", action="store_true",
                         help="use the embedded tiny Qwen2 even when your model path exists here")
+
+
+def _add_prepare_model_command(commands) -> None:
+    """``prepare-model``: a real pretrained LM for diagnose, converted once."""
     prepare = commands.add_parser(
         "prepare-model",
         help="convert a real pretrained LM shipped as a pip wheel (smollm2) to an fp32 HF folder, once",
@@ -153,7 +171,6 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("name", choices=["smollm2"], help="the model")
     prepare.add_argument("--cache", help="the cache folder (default: $VERL_KLCOV_MODEL_CACHE, else "
                                          "~/.cache/verl_klcov_global/models)")
-    return parser
 
 
 def _prepare_model(name: str, cache: Optional[str]) -> int:
@@ -169,6 +186,13 @@ def _prepare_model(name: str, cache: Optional[str]) -> int:
     return 0
 
 
+def _flag_knobs() -> dict:
+    """The knobs ``diagnose`` has a flag of its own for (:func:`.diagnose.knobs.flag_knobs`): the flags' dests."""
+    from .diagnose.knobs import flag_knobs
+
+    return flag_knobs()
+
+
 #: diagnose options that a training config decides, and the config keys to override instead
 CONFIG_KEYS = {
     "model": "actor_rollout_ref.model.path (or --tiny-model)",
@@ -178,13 +202,13 @@ CONFIG_KEYS = {
     "batch_size": "actor_rollout_ref.actor.ppo_mini_batch_size, actor_rollout_ref.rollout.n, trainer.n_gpus_per_node",
     "prompt_len": "data.max_prompt_length",
     "response_len": "data.max_response_length",
-    **{knob: f"actor_rollout_ref.actor.policy_loss.{knob}" for knob, _ in _knob_option_modes()},
+    **{knob: f"actor_rollout_ref.actor.policy_loss.{knob}" for knob in _flag_knobs()},
     "strategy": "actor_rollout_ref.actor.strategy",
     "set_knobs": "actor_rollout_ref.actor.policy_loss.KEY",
 }
 _CONFIG_ONLY = ("config_path", "overrides", "max_tokens", "tiny_model")
 #: options that a --config-name run takes too, and copies into the planned DiagnoseOptions
-_RUN_OPTIONS = ("imports", "verbose", "stare_target_entropy")
+_RUN_OPTIONS = ("imports", "verbose")
 #: options of sampled responses, which --config-name does not take: its plan scales the config's lengths and token
 #: budgets to rows of random ids (a model's own responses have the chat template's and their own lengths)
 _SAMPLING_OPTIONS = ("responses", "samples_per_prompt", "temperature")
@@ -246,7 +270,10 @@ def _diagnose(given: dict) -> int:
             # random ids, as 0.8.0: the plan's lengths and budgets are for rows of its shape
             options, extra = dataclasses.replace(plan.options, responses="random", **run_options), plan.to_json()
         else:
-            options = DiagnoseOptions(**{k: v for k, v in given.items() if k not in ("config_name",) + _CONFIG_ONLY})
+            flags = _flag_knobs()
+            options = DiagnoseOptions(knobs={k: v for k, v in given.items() if k in flags},
+                                      **{k: v for k, v in given.items()
+                                         if k not in ("config_name",) + _CONFIG_ONLY and k not in flags})
         report = run_diagnose(options, extra=extra, explicit=explicit)
     except ModeCannotRunError as error:
         if verbose:

@@ -24,8 +24,8 @@ def test_the_defaults_are_the_authors_and_reach_both_config_classes():
     from verl_klcov_global.config import read_lp_reg_settings
     from verl_klcov_global.diagnose.run import _actor_config
 
-    options = DiagnoseOptions(loss_mode="lp_reg_global", lp_reg_min_p=0.05)
-    assert (options.lp_reg_neg_ratio, options.lp_reg_pos_ratio) == (0.01, 0.0)
+    options = DiagnoseOptions(loss_mode="lp_reg_global", knobs={"lp_reg_min_p": 0.05})
+    assert (options.knobs["lp_reg_neg_ratio"], options.knobs["lp_reg_pos_ratio"]) == (0.01, 0.0)
     ours = read_lp_reg_settings(_actor_config(options, "lp_reg_global"))
     theirs = read_lp_reg_settings(_actor_config(options, "lp_reg_per_micro_batch"))
     for settings in (ours, theirs):

@@ -18,9 +18,10 @@ def test_the_defaults_are_the_papers_with_the_gate_open_and_reach_both_config_cl
     from verl_klcov_global.config import DEFAULT_STARE_TOP_RATIO, DEFAULT_STARE_REWEIGHT_W, read_stare_settings
     from verl_klcov_global.diagnose.run import _actor_config
 
-    options = DiagnoseOptions(loss_mode="stare_global", stare_variant="C2", stare_reweight_m=0.8)
-    assert (options.stare_top_ratio, options.stare_reweight_w) == (DEFAULT_STARE_TOP_RATIO, DEFAULT_STARE_REWEIGHT_W)
-    assert options.stare_target_entropy > 13  # above ln(vocabulary) of any model: the gate opens
+    options = DiagnoseOptions(loss_mode="stare_global", knobs={"stare_variant": "C2", "stare_reweight_m": 0.8})
+    assert (options.knobs["stare_top_ratio"], options.knobs["stare_reweight_w"]) == (DEFAULT_STARE_TOP_RATIO,
+                                                                                    DEFAULT_STARE_REWEIGHT_W)
+    assert options.knobs["stare_target_entropy"] > 13  # above ln(vocabulary) of any model: the gate opens
     ours = read_stare_settings(_actor_config(options, "stare_global"))
     theirs = read_stare_settings(_actor_config(options, "stare_per_micro_batch"))
     for settings in (ours, theirs):
@@ -42,6 +43,7 @@ def test_bad_stare_options_fail_clearly(capfd, args, message):
 def test_a_stare_config_is_planned_with_its_knobs_and_the_gate_open(monkeypatch):
     """--config-name=stare_global: P, W, M and the variant from the config (or an override); the gate's target is
     diagnose's (open), the config's shown as theirs; the entropy controller of a kl_cov config does not reach STARE."""
+    from verl_klcov_global.diagnose.knobs import knob_default
     from verl_klcov_global.diagnose.run import validate
     from verl_klcov_global.diagnose.user_config import plan_for
 
@@ -51,9 +53,9 @@ def test_a_stare_config_is_planned_with_its_knobs_and_the_gate_open(monkeypatch)
     plan = plan_for(None, "stare_global", ["actor_rollout_ref.actor.policy_loss.stare_top_ratio=0.2",
                                            "actor_rollout_ref.actor.policy_loss.stare_variant=C2"], device="cpu")
     assert plan.options.loss_mode == "stare_global"
-    assert (plan.options.stare_top_ratio, plan.options.stare_variant) == (0.2, "C2")
+    assert (plan.options.knobs["stare_top_ratio"], plan.options.knobs["stare_variant"]) == (0.2, "C2")
     target = by_name(plan)["stare_target_entropy"]
-    assert target.value == plan.options.stare_target_entropy == DiagnoseOptions.stare_target_entropy
+    assert target.value == plan.options.knobs["stare_target_entropy"] == knob_default("stare_target_entropy")
     assert target.yours == 0.3  # the plugin's YAML, the paper's
     every = plan_for(None, "kl_cov_global", ["actor_rollout_ref.actor.policy_loss.entropy_target=1.5"],
                      device="cpu", loss_mode="all")

@@ -76,7 +76,8 @@ def test_user_config_with_overrides_gives_its_settings_and_sources(tmp_path):
     assert (options.dtype, options.strategy, options.use_remove_padding) == ("fp32", "fsdp", False)
     assert options.loss_agg_mode == "seq-mean-token-mean"
     assert (options.clip_ratio_high, options.clip_ratio_low) == (0.28, 0.2)
-    assert (options.kl_cov_ratio, options.ppo_kl_coef, options.loss_mode) == (0.002, 0.5, "kl_cov_global")
+    assert (options.knobs["kl_cov_ratio"], options.knobs["ppo_kl_coef"], options.loss_mode) == (0.002, 0.5,
+                                                                                                  "kl_cov_global")
     assert options.model is None  # /nonexistent/model: the embedded tiny model, said plainly
     assert any("/nonexistent/model" in note and "embedded tiny Qwen2" in note for note in plan.notes)
 
@@ -86,7 +87,10 @@ def test_user_config_with_overrides_gives_its_settings_and_sources(tmp_path):
     assert settings["ppo_max_token_len_per_gpu"].yours == 2048 and settings["ppo_max_token_len_per_gpu"].value == 128
     assert settings["log_prob_max_token_len_per_gpu"].source == (
         "override (via actor_rollout_ref.actor.ppo_max_token_len_per_gpu)")
-    assert settings["clip_cov_seed"].source == "diagnose default"  # verl's PolicyLossConfig has no such key
+    assert "clip_cov_seed" not in settings  # the rows are the knobs of the modes diagnosed
+    assert options.knobs["clip_cov_seed"] == 0  # the others keep the plugin's defaults
+    every = by_name(plan_for(str(tmp_path), "my_grpo", overrides, device="cpu", max_tokens=4096, loss_mode="all"))
+    assert every["clip_cov_seed"].source == "diagnose default"  # verl's PolicyLossConfig has no such key
     assert settings["model"].source == "diagnose default"
     assert settings["minibatch per DP rank"].yours == "64 x (256 + 768) = 65,536 tokens"
     assert "lengths x0.0625 to 16 + 48" in plan.scaling["text"] and "keep 32 micro-batches" in plan.scaling["text"]
@@ -235,9 +239,9 @@ def test_high_entropy_global_config_plans_its_ratio_and_the_authors_rule_as_upst
     monkeypatch.chdir(REPO)
     plan = plan_for(None, "high_entropy_global", ["actor_rollout_ref.actor.policy_loss.entropy_top_ratio=0.1"],
                     device="cpu")
-    assert plan.options.loss_mode == "high_entropy_global" and plan.options.entropy_top_ratio == 0.1
+    assert plan.options.loss_mode == "high_entropy_global" and plan.options.knobs["entropy_top_ratio"] == 0.1
     assert by_name(plan)["entropy_top_ratio"].value == 0.1
-    assert plan_for(None, "high_entropy_global", [], device="cpu").options.entropy_top_ratio == 0.2
+    assert plan_for(None, "high_entropy_global", [], device="cpu").options.knobs["entropy_top_ratio"] == 0.2
 
 
 @pytest.mark.parametrize("name", ["kl_cov_global", "high_entropy_global"])

@@ -18,9 +18,10 @@ its comparator) run on the peaked policy (:func:`..lab.experiment.needs_peaked_p
 responses sampled from it) with their own control ``vanilla[policy=peaked]``: the tiny model's near-uniform
 distribution keeps every token in the proxy, so nothing would be regularised and the comparison would prove nothing.
 
-The Clip-Cov window defaults to ``clip_cov_lb=0.3, clip_cov_ub=5, clip_cov_ratio=0.002``, not
-verl's 1 / 5 / 0.0002: on the embedded tiny model's random minibatches almost no covariance
-exceeds 1, so verl's window would leave nothing to select and the comparison would prove nothing.
+Where diagnose's default for a knob departs from the mode's own (the Clip-Cov window ``clip_cov_lb=0.3,
+clip_cov_ratio=0.002``, not verl's 1 / 0.0002: on the embedded tiny model's random minibatches almost no covariance
+exceeds 1, so verl's window would leave nothing to select and the comparison would prove nothing), the one table
+:data:`.knobs.DIAGNOSE_DEPARTURES` says so and why.
 """
 
 from __future__ import annotations
@@ -33,37 +34,13 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from ..lab.quiet import quiet_verl
 from .errors import DiagnoseError
+from .knobs import DIAGNOSE_DEPARTURES, default_knob_values, knob_default  # noqa: F401  (diagnose's defaults)
 
 INVARIANCE_FACTOR = 10.0  # a global mode must stay within this many times the control's noise floor
-
-#: Where diagnose's default for a knob departs from the mode's own, its value and why: the one place these are
-#: written (``--help`` states each; the report's knobs line shows the values used).
-DIAGNOSE_DEPARTURES = {
-    "ppo_kl_coef": (1.0, "the KL-Cov paper's coefficient (the packaged kl_cov_global.yaml's); verl's field is 0.1"),
-    "clip_cov_ratio": (0.002, "ten times verl's 0.0002: a quota above 1 token on the tiny model's minibatch"),
-    "clip_cov_lb": (0.3, "almost no covariance of the tiny random model exceeds verl's 1.0, whose window would "
-                         "leave nothing to select"),
-    "stare_target_entropy": (100.0, "above any model's entropy: the gate is open and the weights apply in the one "
-                                    "update per layout, as in the per-micro-batch comparator, which has no gate"),
-}
-
-
-def knob_default(knob: str):
-    """diagnose's default for a knob of the table's built-in modes: :data:`DIAGNOSE_DEPARTURES`'s value, else the
-    default of the first built-in mode's config class that has the knob."""
-    if knob in DIAGNOSE_DEPARTURES:
-        return DIAGNOSE_DEPARTURES[knob][0]
-    from ..knob_doc import default_of, knob_names
-    from ..modes import MODES
-
-    for mode in MODES.values():
-        if mode.config_class is not None and knob in knob_names(mode.config_class):
-            return default_of(mode.config_class, knob)
-    raise KeyError(f"{knob} is no knob of a mode with a config class")
 
 
 @dataclass(frozen=True)
@@ -78,31 +55,14 @@ class DiagnoseOptions:
     batch_size: int = 64
     prompt_len: int = 16
     response_len: int = 128
-    #: the table's knobs that diagnose has an option of its own for (``--kl-cov-ratio``, ...: made from these
-    #: fields, cli.py): each the mode's default, or diagnose's where :data:`DIAGNOSE_DEPARTURES` says so; the
-    #: per-micro-batch comparators read the same values
-    kl_cov_ratio: float = knob_default("kl_cov_ratio")
-    ppo_kl_coef: float = knob_default("ppo_kl_coef")
+    #: the built-in modes' knobs that diagnose has a flag of its own for (:func:`.knobs.flag_knobs`: ``--kl-cov-ratio``,
+    #: ...), knob -> value: the values given, the rest diagnose's defaults (:func:`.knobs.knob_default`: the mode's, or
+    #: :data:`.knobs.DIAGNOSE_DEPARTURES`'s); the per-micro-batch comparators read the same values. The report's
+    #: ``options`` hold them beside the other fields (:func:`report_options`)
+    knobs: dict = field(default_factory=dict)
     strategy: str = "fsdp"
     json_path: Optional[str] = None
     loss_mode: str = "all"
-    clip_cov_ratio: float = knob_default("clip_cov_ratio")
-    clip_cov_lb: float = knob_default("clip_cov_lb")
-    clip_cov_ub: float = knob_default("clip_cov_ub")
-    clip_cov_seed: int = knob_default("clip_cov_seed")
-    entropy_top_ratio: float = knob_default("entropy_top_ratio")
-    stare_top_ratio: float = knob_default("stare_top_ratio")
-    stare_reweight_w: float = knob_default("stare_reweight_w")
-    stare_reweight_m: float = knob_default("stare_reweight_m")
-    stare_variant: str = knob_default("stare_variant")
-    stare_target_entropy: float = knob_default("stare_target_entropy")
-    stare_adaptive: bool = knob_default("stare_adaptive")
-    stare_alpha: float = knob_default("stare_alpha")
-    stare_w_max: float = knob_default("stare_w_max")
-    stare_m_min: float = knob_default("stare_m_min")
-    lp_reg_neg_ratio: float = knob_default("lp_reg_neg_ratio")
-    lp_reg_pos_ratio: float = knob_default("lp_reg_pos_ratio")
-    lp_reg_min_p: float = knob_default("lp_reg_min_p")
     # Set by ``--config-name`` (diagnose/user_config.py); the defaults are diagnose's own behaviour.
     #: the N-micro-batch layout given directly (static: sequences per micro-batch; dynamic: token
     #: budget) instead of derived from ``micro_batches``, which then only names it
@@ -127,7 +87,8 @@ class DiagnoseOptions:
     compare_prepass_layouts: bool = True
     #: a loss outside the table (``--loss-mode NAME`` with ``--config-name``): the user's ``actor.policy_loss``
     #: as composed (``_target_`` included: verl's PolicyLossConfig or the user's class); None: verl's
-    #: ``PolicyLossConfig`` with diagnose's KL-Cov/Clip-Cov knobs and verl's defaults for the rest
+    #: ``PolicyLossConfig`` with diagnose's values of verl's keys (:func:`.knobs.verl_knobs`), verl's defaults for
+    #: the rest
     policy_loss: Optional[dict] = None
     #: ``--all-registered``: every loss verl itself registers (diagnose/user_losses.py), judged by measurement
     all_registered: bool = False
@@ -147,10 +108,20 @@ class DiagnoseOptions:
     samples_per_prompt: int = 4
     #: the sampling temperature (sampled responses)
     temperature: float = 1.0
-    #: ``--set KEY=VALUE``: values of the diagnosed modes' knobs (``ModeSpec.knobs``) that have no diagnose option of
-    #: their own, e.g. a user's mode's new knob (a key that has one is moved into it: diagnose/knobs.py); validated by
-    #: the mode's config class and ``read_settings``
+    #: ``--set KEY=VALUE``: values of the diagnosed modes' knobs (``ModeSpec.knobs``) that have no diagnose flag of
+    #: their own, e.g. a user's mode's new knob (a key that has one is moved into ``knobs``: diagnose/knobs.py);
+    #: validated by the mode's config class and ``read_settings``
     set_knobs: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        """``knobs`` completed with diagnose's defaults; a key that is no knob with a flag is refused (give it in
+        ``set_knobs``)."""
+        defaults = default_knob_values()
+        unknown = [knob for knob in self.knobs if knob not in defaults]
+        if unknown:
+            raise DiagnoseError(f"DiagnoseOptions.knobs: {', '.join(unknown)} has no diagnose flag (the knobs that "
+                                f"have one: {', '.join(defaults)}); give it in set_knobs (--set)")
+        object.__setattr__(self, "knobs", {**defaults, **self.knobs})
 
     @property
     def explicit_layout(self) -> bool:
@@ -209,21 +180,15 @@ def _validate_modes(options: DiagnoseOptions, explicit: tuple) -> DiagnoseOption
                             f"{options.loss_mode}")
     check_loss_mode(options.loss_mode)  # after --import: a user's loss is registered by now
     from ..modes import MODES
-    from ..seams import GLOBAL_MODE_NAMES
-    from .knobs import ModeCannotRunError, fold_set_knobs
+    from .knobs import ModeCannotRunError, flag_modes, fold_set_knobs
 
     options = fold_set_knobs(options, global_modes_of(options), explicit)
-
-    ratio = options.entropy_top_ratio
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) <= 1.0:
-        raise DiagnoseError(f"--entropy-top-ratio must be a fraction in (0, 1] (0.2 keeps the top 20% of tokens), "
-                            f"got {ratio!r}")
     diagnosed = global_modes_of(options)
     try:
         measured = measured_losses_of(options)
-        for mode, spec in MODES.items():  # each built-in mode's config class validates its knobs and the actor fields
-            if spec.config_class is not None and not measured and mode in GLOBAL_MODE_NAMES:
-                _actor_config(options, mode)
+        if not measured:  # each built-in mode's config class validates its knobs' values and the actor fields
+            for spec in flag_modes():
+                _actor_config(options, spec.name)
         for mode in diagnosed:  # a diagnosed mode's config, then what only the loss reads (stare: the agg mode)
             try:
                 actor_config = _actor_config(options, mode)
@@ -389,8 +354,17 @@ def _actor_config(options: DiagnoseOptions, mode: str):
             return _tiny.make_actor_config(policy_loss=LAB_UPSTREAMS[mode][1](loss_mode=mode, **values), **actor)
         knobs = {key: value for key, value in values.items() if key not in counts.plugin_knobs}
         return _tiny.make_actor_config(policy_loss=PolicyLossConfig(loss_mode=mode, **knobs), **actor)
-    return _tiny.make_actor_config(loss_mode=mode, kl_cov_ratio=options.kl_cov_ratio,
-                                   ppo_kl_coef=options.ppo_kl_coef, **actor)
+    return _tiny.make_actor_config(policy_loss=_verl_policy_loss(options, mode), **actor)  # the control
+
+
+def _verl_policy_loss(options: DiagnoseOptions, loss: str):
+    """verl's ``PolicyLossConfig`` of ``loss`` with diagnose's values of verl's own keys (:func:`.knobs.verl_knobs`)
+    and verl's defaults for the rest."""
+    from verl.workers.config import PolicyLossConfig
+
+    from .knobs import verl_knobs
+
+    return PolicyLossConfig(loss_mode=loss, **{knob: options.knobs[knob] for knob in verl_knobs()})
 
 
 def _measured_policy_loss(options: DiagnoseOptions, loss: str):
@@ -402,9 +376,7 @@ def _measured_policy_loss(options: DiagnoseOptions, loss: str):
     if options.policy_loss is not None:
         node = {**options.policy_loss, "loss_mode": loss}
         return omega_conf_to_dataclass(node, None if "_target_" in node else PolicyLossConfig)
-    return PolicyLossConfig(loss_mode=loss, kl_cov_ratio=options.kl_cov_ratio, ppo_kl_coef=options.ppo_kl_coef,
-                            clip_cov_ratio=options.clip_cov_ratio, clip_cov_lb=options.clip_cov_lb,
-                            clip_cov_ub=options.clip_cov_ub)
+    return _verl_policy_loss(options, loss)
 
 
 def layouts_of(options: DiagnoseOptions, seq_len: Optional[int] = None):
@@ -438,95 +410,161 @@ def run_diagnose(options: DiagnoseOptions, progress=_progress, extra: Optional[d
     """
     import torch
 
-    from . import measured as _measured
-    from ..lab import tiny as _tiny
-    from ..lab.experiment import PEAKED_POLICY_SUFFIX
-
     options = validate(resolve_model(options, progress), explicit)
-    measured = measured_losses_of(options)
     quiet = contextlib.nullcontext if options.verbose else quiet_verl
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="verl_klcov_diagnose_") as scratch:
-        with quiet():
-            model_path = options.model or _tiny.build_tiny_model(os.path.join(scratch, "tiny"), seed=options.seed)
-        vocab_size = _vocab_size(model_path)
-        sampled = (_sample_blocks(options, model_path, progress, device) if responses_of(options) == "sampled"
-                   else None)
-        seq_len = (max(b.prompts.shape[1] + b.responses.shape[1] for b in sampled) if sampled
-                   else options.prompt_len + options.response_len)
-        spec = _engine_spec(options, model_path, seq_len, device, measured)
-        layouts = (sampled_dynamic_layouts(options, sampled) if sampled and options.layout == "dynamic"
-                   and not options.explicit_layout else layouts_of(options, seq_len))
-        peaked_globals = peaked_policy_modes(options)
-        peaked_control = "vanilla" + PEAKED_POLICY_SUFFIX
-        peaked_spec, peaked_samples = None, None
-        if peaked_globals:  # the same shape as the random-id minibatches: the same layouts
-            with quiet():
-                peaked_spec, peaked_samples = _peaked_policy(options, spec, os.path.join(scratch, "peaked"),
-                                                             vocab_size, peaked_globals, progress)
-
-        running = {"mode": None}  # the name being updated: a failure is reported as that mode's
-
-        def actor_config_for(mode):
-            running["mode"] = mode
-            return _actor_config(options, "vanilla" if mode == peaked_control else mode)
-
-        failed: dict[str, str] = {}  # measured losses that raised: name -> why
-        if measured:
-            kind = _measured.other_kind(options.layout)
-            layouts = (*layouts, _measured.other_layout(options.batch_size, seq_len, options.micro_batches, kind))
-
-            def updates() -> int:
-                return _measured.updates_per_block(tuple(loss for loss in measured if loss not in failed))
-
-            def run(batch, peaked_batch, report_step) -> dict:
-                return _measured.run_measured_block(spec, batch, layouts, actor_config_for, measured, failed,
-                                                    progress=report_step)
-        else:
-            modes, peaked_modes, updates, run = _table_runner(options, spec, peaked_spec, layouts, peaked_globals,
-                                                              peaked_control, actor_config_for, running)
-
-        blocks = []
-        for block in range(options.blocks):
-            seed = options.seed + block
-            prefix = f"[block {block + 1}/{options.blocks}]"
-            progress(f"{prefix} building the frozen minibatch (seed {seed})")
-            with quiet():
-                batch, peaked_batch = _minibatches(
-                    options, spec, seed, vocab_size, None if sampled is None else sampled[block],
-                    bool(measured or modes), peaked_spec, None if peaked_spec is None else peaked_samples[block])
-            step = {"n": 0, "of": updates()}
-
-            def report_step(message, prefix=prefix, step=step):
-                step["n"] += 1
-                progress(f"{prefix} update {step['n']}/{step['of']}: {message}")
-
-            with quiet():
-                blocks.append(run(batch, peaked_batch, report_step))
-            if failed and not options.all_registered:
-                (loss, why), = failed.items()
-                raise DiagnoseError(
-                    f"--loss-mode {loss}: the loss raised {why} in its update. Give it the settings it needs with "
-                    "--config-name/--config-path and overrides: its actor.policy_loss keys, or your own config "
-                    "class through actor.policy_loss._target_ (docs/DIAGNOSE.md, \"Diagnose your own loss\")")
-    for loss in failed:  # a loss that raised in a later block has rows in the earlier ones: compare none of them
-        for rows in blocks:
-            rows.pop(loss, None)
-            rows.pop(_measured.split_row(loss, _measured.other_kind(options.layout)), None)
-    controls = {row: peaked_control for row in blocks[0] if peaked_globals and row in peaked_modes}
-    report = summarise(options, device, [layout.name for layout in layouts[:2]], blocks,
-                       other_layout_name=layouts[2].name if measured else None, could_not_run=failed,
-                       controls=controls)
-    report["responses"] = _responses_report(options, sampled)
-    if peaked_globals:
-        report["peaked_policy"] = _peaked_policy_report(options, peaked_modes, peaked_control, peaked_samples)
-    report["clip_grad"] = None if math.isinf(spec.clip_grad) else spec.clip_grad
-    report["verl_version"] = _verl_version()
+        setup = _prepare(options, scratch, device, progress, quiet)
+        runner = _runner(options, setup)
+        blocks = _run_blocks(options, setup, runner, progress, quiet)
+    report = _report(options, device, setup, runner, blocks)
     report["seconds"] = round(time.perf_counter() - started, 1)
     report.update(extra or {})
     if options.json_path:
         _write_json_atomically(options.json_path, report)
+    return report
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What every block of a run shares: the model (``model_path``, ``vocab_size``), its sampled responses (None:
+    random ids) and their padded ``seq_len``, the engine ``spec``, the ``layouts`` compared (a third one for the
+    ``measured`` losses), and the peaked policy of the modes that need it (``peaked_globals``: none without one)."""
+
+    model_path: str
+    vocab_size: int
+    sampled: Optional[list]
+    seq_len: int
+    spec: Any
+    layouts: tuple
+    measured: tuple
+    peaked_globals: tuple
+    peaked_control: str
+    peaked_spec: Any = None
+    peaked_samples: Optional[list] = None
+
+
+def _prepare(options: DiagnoseOptions, scratch: str, device: str, progress, quiet) -> _Setup:
+    """The model (the embedded tiny one is built in ``scratch``), its responses, the engine and the layouts; the
+    peaked policy and its responses when a diagnosed mode needs it (:func:`peaked_policy_modes`)."""
+    from . import measured as _measured
+    from ..lab import tiny as _tiny
+    from ..lab.experiment import PEAKED_POLICY_SUFFIX
+
+    measured = measured_losses_of(options)
+    with quiet():
+        model_path = options.model or _tiny.build_tiny_model(os.path.join(scratch, "tiny"), seed=options.seed)
+    vocab_size = _vocab_size(model_path)
+    sampled = (_sample_blocks(options, model_path, progress, device) if responses_of(options) == "sampled"
+               else None)
+    seq_len = (max(b.prompts.shape[1] + b.responses.shape[1] for b in sampled) if sampled
+               else options.prompt_len + options.response_len)
+    spec = _engine_spec(options, model_path, seq_len, device, measured)
+    layouts = (sampled_dynamic_layouts(options, sampled) if sampled and options.layout == "dynamic"
+               and not options.explicit_layout else layouts_of(options, seq_len))
+    peaked_globals = peaked_policy_modes(options)
+    peaked_spec, peaked_samples = None, None
+    if peaked_globals:  # the same shape as the random-id minibatches: the same layouts
+        with quiet():
+            peaked_spec, peaked_samples = _peaked_policy(options, spec, os.path.join(scratch, "peaked"),
+                                                         vocab_size, peaked_globals, progress)
+    if measured:
+        kind = _measured.other_kind(options.layout)
+        layouts = (*layouts, _measured.other_layout(options.batch_size, seq_len, options.micro_batches, kind))
+    return _Setup(model_path, vocab_size, sampled, seq_len, spec, layouts, measured, peaked_globals,
+                  "vanilla" + PEAKED_POLICY_SUFFIX, peaked_spec, peaked_samples)
+
+
+@dataclass(frozen=True)
+class _Runner:
+    """How each block runs: ``run(batch, peaked_batch, report_step)`` -> the block's rows, ``updates()`` per block;
+    ``modes`` / ``peaked_modes``: the rows of the table's modes on the options' minibatch and on the peaked policy
+    (empty when losses are judged by measurement); ``failed``: the measured losses that raised, name -> why."""
+
+    modes: tuple
+    peaked_modes: tuple
+    updates: Callable[[], int]
+    run: Callable[..., dict]
+    failed: dict
+
+
+def _runner(options: DiagnoseOptions, setup: _Setup) -> _Runner:
+    """The runner of the table's modes (:func:`_table_runner`) or of the losses judged by measurement."""
+    from . import measured as _measured
+
+    running = {"mode": None}  # the name being updated: a failure is reported as that mode's
+
+    def actor_config_for(mode):
+        running["mode"] = mode
+        return _actor_config(options, "vanilla" if mode == setup.peaked_control else mode)
+
+    failed: dict[str, str] = {}
+    if not setup.measured:
+        modes, peaked_modes, updates, run = _table_runner(options, setup.spec, setup.peaked_spec, setup.layouts,
+                                                          setup.peaked_globals, setup.peaked_control,
+                                                          actor_config_for, running)
+        return _Runner(modes, peaked_modes, updates, run, failed)
+
+    def updates() -> int:
+        return _measured.updates_per_block(tuple(loss for loss in setup.measured if loss not in failed))
+
+    def run(batch, peaked_batch, report_step) -> dict:
+        return _measured.run_measured_block(setup.spec, batch, setup.layouts, actor_config_for, setup.measured,
+                                            failed, progress=report_step)
+
+    return _Runner((), (), updates, run, failed)
+
+
+def _run_blocks(options: DiagnoseOptions, setup: _Setup, runner: _Runner, progress, quiet) -> list[dict]:
+    """Each block's rows (its own frozen minibatch, seed ``options.seed + block``). A loss named by ``--loss-mode``
+    that raised is a :class:`DiagnoseError`; with ``--all-registered`` its rows leave every block."""
+    from . import measured as _measured
+
+    blocks = []
+    for block in range(options.blocks):
+        seed = options.seed + block
+        prefix = f"[block {block + 1}/{options.blocks}]"
+        progress(f"{prefix} building the frozen minibatch (seed {seed})")
+        with quiet():
+            batch, peaked_batch = _minibatches(
+                options, setup.spec, seed, setup.vocab_size, None if setup.sampled is None else setup.sampled[block],
+                bool(setup.measured or runner.modes), setup.peaked_spec,
+                None if setup.peaked_spec is None else setup.peaked_samples[block])
+        step = {"n": 0, "of": runner.updates()}
+
+        def report_step(message, prefix=prefix, step=step):
+            step["n"] += 1
+            progress(f"{prefix} update {step['n']}/{step['of']}: {message}")
+
+        with quiet():
+            blocks.append(runner.run(batch, peaked_batch, report_step))
+        if runner.failed and not options.all_registered:
+            (loss, why), = runner.failed.items()
+            raise DiagnoseError(
+                f"--loss-mode {loss}: the loss raised {why} in its update. Give it the settings it needs with "
+                "--config-name/--config-path and overrides: its actor.policy_loss keys, or your own config "
+                "class through actor.policy_loss._target_ (docs/DIAGNOSE.md, \"Diagnose your own loss\")")
+    for loss in runner.failed:  # a loss that raised in a later block has rows in the earlier ones: compare none
+        for rows in blocks:
+            rows.pop(loss, None)
+            rows.pop(_measured.split_row(loss, _measured.other_kind(options.layout)), None)
+    return blocks
+
+
+def _report(options: DiagnoseOptions, device: str, setup: _Setup, runner: _Runner, blocks: list[dict]) -> dict:
+    """The report of the blocks' rows (:func:`summarise`), with how the responses were made, the peaked policy, the
+    gradient clipping and verl's version."""
+    controls = {row: setup.peaked_control for row in blocks[0] if setup.peaked_globals and row in runner.peaked_modes}
+    report = summarise(options, device, [layout.name for layout in setup.layouts[:2]], blocks,
+                       other_layout_name=setup.layouts[2].name if setup.measured else None,
+                       could_not_run=runner.failed, controls=controls)
+    report["responses"] = _responses_report(options, setup.sampled)
+    if setup.peaked_globals:
+        report["peaked_policy"] = _peaked_policy_report(options, runner.peaked_modes, setup.peaked_control,
+                                                        setup.peaked_samples)
+    report["clip_grad"] = None if math.isinf(setup.spec.clip_grad) else setup.spec.clip_grad
+    report["verl_version"] = _verl_version()
     return report
 
 
@@ -704,6 +742,18 @@ def _ratios(diffs: list, controls: list) -> list:
     return [d / c if c > 0 else (0.0 if d == 0 else math.inf) for d, c in zip(diffs, controls)]
 
 
+def report_options(options: DiagnoseOptions) -> dict:
+    """The report's ``options``: every field of ``options``, with each knob of ``options.knobs`` beside them (one key
+    per knob, as ``--<knob>`` names it)."""
+    flat = {}
+    for name, value in asdict(options).items():
+        if name == "knobs":
+            flat.update(value)
+        else:
+            flat[name] = value
+    return flat
+
+
 def summarise(options: DiagnoseOptions, device: str, layout_names: list[str], blocks: list[dict], *,
               other_layout_name: Optional[str] = None, could_not_run: Optional[dict] = None,
               controls: Optional[dict] = None) -> dict:
@@ -719,9 +769,43 @@ def summarise(options: DiagnoseOptions, device: str, layout_names: list[str], bl
     ``controls`` (row -> control row): rows compared with a control other than ``vanilla`` (the peaked policy's).
     """
     from . import measured as _measured
-    from ..lab.experiment import upstream_mode
 
     control_rows = dict(controls or {})
+    modes = _mode_figures(blocks, control_rows)
+    verdicts, invariant = {}, True
+    for mode in (m for m in global_modes_of(options) if m in modes):
+        ok, verdicts[mode] = _global_verdict(mode, modes, len(blocks), control_rows.get(mode))
+        invariant = invariant and ok
+    measured = measured_losses_of(options)
+    kind = _measured.other_kind(options.layout)
+    for loss in (m for m in measured if m in modes):
+        ok, verdicts[loss] = _measured.verdict(
+            loss, modes, kind, (f"{layout_names[1]} ({options.layout})", other_layout_name or kind), len(blocks),
+            INVARIANCE_FACTOR)
+        invariant = invariant and ok
+    report = {
+        "options": report_options(options),
+        "device": device,
+        "layouts": layout_names,
+        "modes": modes,
+        "verdicts": verdicts,
+        "invariant": invariant,
+        "verdict": "; ".join(verdicts.values()),
+    }
+    if control_rows:
+        report["controls"] = control_rows
+    if measured:
+        report.update(measured_losses=list(measured), other_layout=other_layout_name, could_not_run=dict(could_not_run or {}))
+        if options.all_registered:
+            report["registered_losses"] = _measured.registry_table(report, kind)
+    return report
+
+
+def _mode_figures(blocks: list[dict], control_rows: dict) -> dict:
+    """Each row's figures over the blocks: tokens selected per layout, whether the masks agree, the parameter
+    differences between the layouts (and of the repeated update, where it ran) and their ratios to its control's
+    (``control_rows``' row, else :func:`.measured.control_of`'s, else ``vanilla``)."""
+    from . import measured as _measured
 
     def controls_of(mode: str) -> list:
         control = control_rows.get(mode) or _measured.control_of(mode)
@@ -742,56 +826,37 @@ def summarise(options: DiagnoseOptions, device: str, layout_names: list[str], bl
         if all(r is not None for r in repeats):
             modes[mode]["repeat_param_diff"] = repeats
             modes[mode]["repeat_ratio_to_control"] = _ratios(repeats, controls)
+    return modes
 
-    verdicts, invariant = {}, True
-    for mode in (m for m in global_modes_of(options) if m in modes):
-        figures = modes[mode]
-        worst = max(figures["ratio_to_control"])
-        repeat_worst = max(figures.get("repeat_ratio_to_control", [0.0]))
-        ok = bool(figures["masks_identical"]) and worst <= INVARIANCE_FACTOR and repeat_worst <= INVARIANCE_FACTOR
-        invariant = invariant and ok
-        text = (
-            f"{mode} is {'INVARIANT' if ok else 'NOT invariant'} to micro-batching: masks "
-            f"{'identical' if figures['masks_identical'] else 'DIFFER'} in all {len(blocks)} blocks, "
-            f"max|dtheta| up to {worst:.2f}x the control's noise floor (limit {INVARIANCE_FACTOR:g}x)"
-        )
-        if mode in control_rows:
-            text = text.replace("the control's noise floor",
-                                f"the control's noise floor ({control_rows[mode]}, on the peaked policy)")
-        if "repeat_ratio_to_control" in figures:
-            text += f", run again with another RNG state within {repeat_worst:.2f}x"
-        upstream = upstream_mode(mode)
-        if not any(any(pair) for pair in figures["selected_per_layout"]):
-            text += " (vacuous: it selected no token, so there was nothing to compare)"
-        if upstream in modes:
-            text += f"; {upstream} differs by up to {max(modes[upstream]['ratio_to_control']):.3g}x"
-            if "repeat_ratio_to_control" in modes[upstream]:
-                text += (f" between layouts and by up to {max(modes[upstream]['repeat_ratio_to_control']):.3g}x "
-                         "run again with another RNG state")
-        verdicts[mode] = text
-    measured = measured_losses_of(options)
-    kind = _measured.other_kind(options.layout)
-    for loss in (m for m in measured if m in modes):
-        ok, verdicts[loss] = _measured.verdict(
-            loss, modes, kind, (f"{layout_names[1]} ({options.layout})", other_layout_name or kind), len(blocks),
-            INVARIANCE_FACTOR)
-        invariant = invariant and ok
-    report = {
-        "options": asdict(options),
-        "device": device,
-        "layouts": layout_names,
-        "modes": modes,
-        "verdicts": verdicts,
-        "invariant": invariant,
-        "verdict": "; ".join(verdicts.values()),
-    }
-    if control_rows:
-        report["controls"] = control_rows
-    if measured:
-        report.update(measured_losses=list(measured), other_layout=other_layout_name, could_not_run=dict(could_not_run or {}))
-        if options.all_registered:
-            report["registered_losses"] = _measured.registry_table(report, kind)
-    return report
+
+def _global_verdict(mode: str, modes: dict, blocks: int, control_row: Optional[str]) -> tuple[bool, str]:
+    """Whether the global ``mode`` is invariant (see :func:`summarise`), and the verdict's words, with its upstream's
+    figures beside it; ``control_row``: its control when not ``vanilla`` (the peaked policy's)."""
+    from ..lab.experiment import upstream_mode
+
+    figures = modes[mode]
+    worst = max(figures["ratio_to_control"])
+    repeat_worst = max(figures.get("repeat_ratio_to_control", [0.0]))
+    ok = bool(figures["masks_identical"]) and worst <= INVARIANCE_FACTOR and repeat_worst <= INVARIANCE_FACTOR
+    text = (
+        f"{mode} is {'INVARIANT' if ok else 'NOT invariant'} to micro-batching: masks "
+        f"{'identical' if figures['masks_identical'] else 'DIFFER'} in all {blocks} blocks, "
+        f"max|dtheta| up to {worst:.2f}x the control's noise floor (limit {INVARIANCE_FACTOR:g}x)"
+    )
+    if control_row is not None:
+        text = text.replace("the control's noise floor",
+                            f"the control's noise floor ({control_row}, on the peaked policy)")
+    if "repeat_ratio_to_control" in figures:
+        text += f", run again with another RNG state within {repeat_worst:.2f}x"
+    upstream = upstream_mode(mode)
+    if not any(any(pair) for pair in figures["selected_per_layout"]):
+        text += " (vacuous: it selected no token, so there was nothing to compare)"
+    if upstream in modes:
+        text += f"; {upstream} differs by up to {max(modes[upstream]['ratio_to_control']):.3g}x"
+        if "repeat_ratio_to_control" in modes[upstream]:
+            text += (f" between layouts and by up to {max(modes[upstream]['repeat_ratio_to_control']):.3g}x "
+                     "run again with another RNG state")
+    return ok, text
 
 
 def _ratio_text(ratio: float) -> str:
@@ -850,41 +915,42 @@ def _peaked_policy_text(peaked: dict) -> str:
             f"update at T={peaked['forward_temperature']:g}; compared with {peaked['control']}")
 
 
+def _knobs_text(report: dict) -> Optional[str]:
+    """The knobs of the report's line: a measured loss's policy_loss (the user's config class, or verl's
+    ``PolicyLossConfig`` with diagnose's values of verl's keys), else each diagnosed built-in mode's knobs
+    (:func:`.knobs.knobs_text`, in the table's order) and ``--set``'s; None when there are none."""
+    from .knobs import flag_modes, knobs_text, verl_knobs
+
+    options = report["options"]
+    if report.get("measured_losses"):
+        if options.get("policy_loss"):
+            return f"policy_loss: your config's ({options['policy_loss'].get('_target_')})"
+        return ("policy_loss: verl's PolicyLossConfig, " + ", ".join(f"{knob} {options[knob]}" for knob in verl_knobs())
+                + ", verl's defaults for the rest")
+    parts = [knobs_text(spec, options) for spec in flag_modes() if spec.name in report["modes"]]
+    if options.get("set_knobs"):
+        parts.append("--set " + ", ".join(f"{key}={value}" for key, value in options["set_knobs"].items()))
+    return " | ".join(parts) or None
+
+
 def format_report(report: dict) -> str:
     """The table a person reads at a glance (after ``--config-name``'s settings summary, when there is one)."""
     options = report["options"]
     first, second = report["layouts"]
     lines = format_settings(report) if "settings" in report else []
     width = max(29, *(len(mode) + 1 for mode in report["modes"]))  # 29: the table modes' column as before
-    knobs = (f"kl_cov_ratio {options['kl_cov_ratio']} | ppo_kl_coef {options['ppo_kl_coef']} | "
-             f"clip_cov ratio {options['clip_cov_ratio']}, window ({options['clip_cov_lb']}, {options['clip_cov_ub']}), "
-             f"seed {options['clip_cov_seed']} | entropy_top_ratio {options.get('entropy_top_ratio', 0.2)}")
-    if any(name.startswith("lp_reg_") for name in report["modes"]):
-        knobs += (f" | lp_reg rho- {options['lp_reg_neg_ratio']}, rho+ {options['lp_reg_pos_ratio']}, "
-                  f"min_p {options['lp_reg_min_p']}")
-    if any(name.startswith("stare_") for name in report["modes"]):
-        knobs += (f" | stare top_ratio {options['stare_top_ratio']}, W {options['stare_reweight_w']}"
-                  + (f", M {options['stare_reweight_m']}" if options["stare_variant"] == "C2" else "")
-                  + f", {options['stare_variant']}, target entropy {options['stare_target_entropy']:g}"
-                  + (f", adaptive (alpha {options['stare_alpha']})" if options["stare_adaptive"] else ""))
-    if options.get("set_knobs"):
-        knobs += " | --set " + ", ".join(f"{key}={value}" for key, value in options["set_knobs"].items())
-    if report.get("measured_losses"):
-        knobs = (f"policy_loss: your config's ({(options.get('policy_loss') or {}).get('_target_')})"
-                 if options.get("policy_loss") else f"policy_loss: verl's PolicyLossConfig, kl_cov_ratio "
-                 f"{options['kl_cov_ratio']}, ppo_kl_coef {options['ppo_kl_coef']}, clip_cov ratio "
-                 f"{options['clip_cov_ratio']} window ({options['clip_cov_lb']}, {options['clip_cov_ub']}), "
-                 "verl's defaults for the rest")
+    knobs = _knobs_text(report)
     lines += [
         f"model: {options['model'] or 'embedded tiny Qwen2 (built locally)'} | device {report['device']} | "
         f"{options['dtype']} | {options['strategy']} | {options['layout']} micro-batches"
         + (" | remove padding" if options.get("use_remove_padding") else "")
         + (f"; rows [split=...]: {report['other_layout']}" if report.get("other_layout") else "")
         + (" | gradient clipping off" if report.get("measured_losses") else ""),
-        _minibatch_text(options, report.get("responses") or {"kind": "random"}) + f" | {knobs} | "
-        + (f"entropy controller {options['entropy_control']} | " if options.get("entropy_control") else "")
-        + f"{len(next(iter(report['modes'].values()))['max_param_diff'])} blocks | "
-        f"{report.get('seconds', '?')} s",
+        " | ".join([_minibatch_text(options, report.get("responses") or {"kind": "random"}),
+                    *([knobs] if knobs else []),
+                    *([f"entropy controller {options['entropy_control']}"] if options.get("entropy_control") else []),
+                    f"{len(next(iter(report['modes'].values()))['max_param_diff'])} blocks",
+                    f"{report.get('seconds', '?')} s"]),
         *([_peaked_policy_text(report["peaked_policy"])] if report.get("peaked_policy") else []),
         "",
         f"{'mode':<{width}} {'tokens selected (' + first + ' | ' + second + ')':<44} {'masks':<10} "

@@ -377,29 +377,26 @@ def scale_shape(full: Shape, micro_batches: int, max_tokens: int) -> Shape:
     return Shape(sequences, prompt, response)
 
 
-def _stare_knobs(r, take) -> dict[str, Any]:
-    """stare_global's knobs for a plan that diagnoses it: the config's, else the plugin's defaults; the gate's target
-    is diagnose's own (open: :class:`.run.DiagnoseOptions`), since the point is the update with the weights on."""
-    from .. import config as c
+class _Planner:
+    """A plan being made: the composed config's reader ``r``, and the summary's rows and notes so far."""
 
-    defaults = {"stare_top_ratio": c.DEFAULT_STARE_TOP_RATIO, "stare_reweight_w": c.DEFAULT_STARE_REWEIGHT_W,
-                "stare_reweight_m": c.DEFAULT_STARE_REWEIGHT_M, "stare_variant": c.DEFAULT_STARE_VARIANT,
-                "stare_adaptive": False, "stare_alpha": c.DEFAULT_STARE_ALPHA, "stare_w_max": c.DEFAULT_STARE_W_MAX,
-                "stare_m_min": c.DEFAULT_STARE_M_MIN}
-    knobs = {}
-    for knob, default in defaults.items():
-        key = f"{POLICY_LOSS}.{knob}"
-        knobs[knob] = (take(knob, key) if r.get(key) is not None else
-                       take(knob, key, default, source=SOURCE_DEFAULT, note="not in your policy_loss: the plugin's default"))
-    key = f"{POLICY_LOSS}.stare_target_entropy"
-    target = DiagnoseOptions.stare_target_entropy
-    knobs["stare_target_entropy"] = take(
-        "stare_target_entropy", key, target, source=SOURCE_DEFAULT,
-        yours=r.get(key) if r.get(key) != target else None,
-        note="diagnose keeps STARE's gate open (a target above any model's entropy): the gate is once per trainer "
-             "step, the same for every micro-batching, and shut it would leave nothing to compare; "
-             "--stare-target-entropy sets it")
-    return knobs
+    def __init__(self, reader: _Reader):
+        self.r = reader
+        self.settings: list[Setting] = []
+        self.notes: list[str] = []
+
+    def take(self, name: str, key: str, value: Any = _MISSING, *, source: Optional[str] = None, yours: Any = None,
+             note: str = "") -> Any:
+        """A row for config key ``key``: its value (or ``value``), from the key's source (or ``source``); returns
+        the value."""
+        value = self.r.get(key) if value is _MISSING else value
+        self.settings.append(Setting(name, value, source or self.r.source(key), key, yours, note))
+        return value
+
+    def fixed(self, name: str, value: Any, note: str = "", source: str = SOURCE_DEFAULT) -> Any:
+        """A row for a value no config key gives (diagnose's own, or an option's); returns the value."""
+        self.settings.append(Setting(name, value, source, None, None, note))
+        return value
 
 
 def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tokens: Optional[int] = None,
@@ -407,213 +404,311 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
                      seed: int = 0, loss_mode: Optional[str] = None, json_path: Optional[str] = None,
                      where: str = "", config_name: str = "") -> ConfigPlan:
     """Diagnose's options from a composed verl trainer config; see the module docstring."""
+    p = _Planner(_Reader(config, raw if raw is not None else config, overrides))
+    device = _plan_device(p, device)
+    model = _plan_model(p, tiny_model)
+    engine = _plan_engine(p)
+    loss_mode, policy_loss = _plan_modes(p, loss_mode)
+    loss = _plan_loss(p, loss_mode, policy_loss)
+    full, sp, dp = _plan_full_shape(p)
+    batching = _plan_micro_batching(p, full, sp, dp)
+    shape, scaling, layout = _plan_scaled_layout(p, full, batching, sp, dp, max_tokens, device)
+    blocks = _plan_run(p, policy_loss, batching.micro_batches, blocks, seed)
+    found = config_findings(config)
+    p.notes += [f"{finding.severity}: {finding.text()}" for finding in found]
+
+    options = DiagnoseOptions(
+        model=model, device=device, blocks=blocks, seed=seed, json_path=json_path, loss_mode=loss_mode,
+        batch_size=shape.sequences, prompt_len=shape.prompt_len, response_len=shape.response_len,
+        micro_batches=batching.micro_batches, compare_prepass_layouts=False, policy_loss=policy_loss,
+        **engine, **loss, **layout,
+    )
+    return ConfigPlan(options, p.settings, scaling, p.notes,
+                      {"name": config_name, "path": where, "overrides": list(overrides)},
+                      [finding.to_json() for finding in found], prepass_counts(config))
+
+
+def _plan_device(p: _Planner, device: Optional[str]) -> str:
+    """The device: ``--device``, else cuda when one is visible, else cpu."""
     import torch
 
-    r = _Reader(config, raw if raw is not None else config, overrides)
-    settings: list[Setting] = []
-    notes: list[str] = []
+    source = SOURCE_OPTION if device else SOURCE_DEFAULT
+    return p.fixed("device", device or ("cuda" if torch.cuda.is_available() else "cpu"), source=source)
 
-    def take(name: str, key: str, value: Any = _MISSING, *, source: Optional[str] = None, yours: Any = None,
-             note: str = "") -> Any:
-        value = r.get(key) if value is _MISSING else value
-        settings.append(Setting(name, value, source or r.source(key), key, yours, note))
-        return value
 
-    def fixed(name: str, value: Any, note: str = "", source: str = SOURCE_DEFAULT) -> Any:
-        settings.append(Setting(name, value, source, None, None, note))
-        return value
-
-    device_source = SOURCE_OPTION if device else SOURCE_DEFAULT
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    fixed("device", device, source=device_source)
-
-    # model
-    model_path = r.get(f"{MODEL}.path")
+def _plan_model(p: _Planner, tiny_model: bool) -> Optional[str]:
+    """The config's model path when it is a local HF checkpoint folder; else (or ``--tiny-model``) None, the
+    embedded tiny Qwen2."""
+    model_path = p.r.get(f"{MODEL}.path")
     if tiny_model:
-        model = fixed("model", None, "--tiny-model: the embedded tiny Qwen2", source=SOURCE_OPTION)
-    elif isinstance(model_path, str) and os.path.isfile(os.path.join(os.path.expanduser(model_path), "config.json")):
-        model = take("model", f"{MODEL}.path", os.path.expanduser(model_path))
-    else:
-        model = None
-        take("model", f"{MODEL}.path", None, source=SOURCE_DEFAULT, yours=model_path,
-             note="not a local HF checkpoint here: the embedded tiny Qwen2 instead")
-        notes.append(f"model: {MODEL}.path={model_path!r} is not a local HF checkpoint folder on this machine "
-                     "(no config.json there); diagnose runs the embedded tiny Qwen2 instead. The selection's "
-                     "dependence on micro-batching is the same mechanism; the figures are the tiny model's.")
+        return p.fixed("model", None, "--tiny-model: the embedded tiny Qwen2", source=SOURCE_OPTION)
+    if isinstance(model_path, str) and os.path.isfile(os.path.join(os.path.expanduser(model_path), "config.json")):
+        return p.take("model", f"{MODEL}.path", os.path.expanduser(model_path))
+    p.take("model", f"{MODEL}.path", None, source=SOURCE_DEFAULT, yours=model_path,
+           note="not a local HF checkpoint here: the embedded tiny Qwen2 instead")
+    p.notes.append(f"model: {MODEL}.path={model_path!r} is not a local HF checkpoint folder on this machine "
+                   "(no config.json there); diagnose runs the embedded tiny Qwen2 instead. The selection's "
+                   "dependence on micro-batching is the same mechanism; the figures are the tiny model's.")
+    return None
 
-    # engine
-    strategy = r.get(f"{ACTOR}.strategy")
+
+def _plan_engine(p: _Planner) -> dict:
+    """The engine's options: strategy (verl's FSDP engine only), dtype, padding removal, gradient checkpointing."""
+    strategy = p.r.get(f"{ACTOR}.strategy")
     if strategy in ("fsdp", "fsdp2"):
-        take("strategy", f"{ACTOR}.strategy")
+        p.take("strategy", f"{ACTOR}.strategy")
     else:
-        take("strategy", f"{ACTOR}.strategy", "fsdp2", source=SOURCE_DEFAULT, yours=strategy,
-             note="diagnose drives verl's FSDP engine only")
-        notes.append(f"strategy: {ACTOR}.strategy={strategy!r} is not verl's FSDP engine; the plugin supports "
-                     "fsdp/fsdp2 only (with another engine a global mode raises UnsupportedEngineError at the first "
-                     "step). diagnose goes on with fsdp2 and your micro-batching: what the plugin would do on FSDP.")
+        p.take("strategy", f"{ACTOR}.strategy", "fsdp2", source=SOURCE_DEFAULT, yours=strategy,
+               note="diagnose drives verl's FSDP engine only")
+        p.notes.append(f"strategy: {ACTOR}.strategy={strategy!r} is not verl's FSDP engine; the plugin supports "
+                       "fsdp/fsdp2 only (with another engine a global mode raises UnsupportedEngineError at the first "
+                       "step). diagnose goes on with fsdp2 and your micro-batching: what the plugin would do on FSDP.")
         strategy = "fsdp2"
     dtype_key = f"{ACTOR}.fsdp_config.mixed_precision.param_dtype"
-    param_dtype = r.get(dtype_key)
+    param_dtype = p.r.get(dtype_key)
     names = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
     if param_dtype is None:
-        dtype = take("dtype", dtype_key, "bf16", source=SOURCE_CONFIG,
-                     note="unset: verl's FSDP engine computes in bf16")
+        dtype = p.take("dtype", dtype_key, "bf16", source=SOURCE_CONFIG,
+                       note="unset: verl's FSDP engine computes in bf16")
     elif param_dtype in names:
-        dtype = take("dtype", dtype_key, names[param_dtype])
+        dtype = p.take("dtype", dtype_key, names[param_dtype])
     else:
-        dtype = take("dtype", dtype_key, "bf16", source=SOURCE_DEFAULT, yours=param_dtype,
-                     note="diagnose runs fp32 or bf16")
-        notes.append(f"dtype: {dtype_key}={param_dtype!r} is not supported by diagnose (fp32 or bf16); it runs bf16.")
-    use_remove_padding = bool(take("use_remove_padding", f"{MODEL}.use_remove_padding"))
-    gradient_checkpointing = bool(take("gradient checkpointing", f"{MODEL}.enable_gradient_checkpointing"))
+        dtype = p.take("dtype", dtype_key, "bf16", source=SOURCE_DEFAULT, yours=param_dtype,
+                       note="diagnose runs fp32 or bf16")
+        p.notes.append(f"dtype: {dtype_key}={param_dtype!r} is not supported by diagnose (fp32 or bf16); it runs bf16.")
+    use_remove_padding = bool(p.take("use_remove_padding", f"{MODEL}.use_remove_padding"))
+    gradient_checkpointing = bool(p.take("gradient checkpointing", f"{MODEL}.enable_gradient_checkpointing"))
+    return dict(strategy=strategy, dtype=dtype, use_remove_padding=use_remove_padding,
+                gradient_checkpointing=gradient_checkpointing)
 
-    # loss
-    your_mode = r.get(f"{POLICY_LOSS}.loss_mode")
+
+def _plan_modes(p: _Planner, loss_mode: Optional[str]) -> tuple[str, Optional[dict]]:
+    """What is diagnosed (``--loss-mode``, else the plugin mode of your loss's family, else every plugin mode for
+    vanilla, else your loss, judged by measurement), and the policy_loss a loss outside the table gets (your
+    config's, as composed: verl's fields or your class's ``_target_``; None for the table's modes)."""
     from ..modes import MODES
 
+    your_mode = p.r.get(f"{POLICY_LOSS}.loss_mode")
     family = next((spec.name for spec in MODES.values() if your_mode in (spec.name, spec.upstream)), None)
     if loss_mode is None and (family is not None or your_mode in (None, "vanilla")):
         loss_mode = family or "all"  # the plugin mode of the user's family, or every plugin mode
-        take("modes diagnosed", f"{POLICY_LOSS}.loss_mode", loss_mode,
-             yours=your_mode if your_mode != loss_mode else None,
-             note=f"with the upstream mode and vanilla; --loss-mode {'|'.join(['all', *MODES])}|NAME to choose")
+        p.take("modes diagnosed", f"{POLICY_LOSS}.loss_mode", loss_mode,
+               yours=your_mode if your_mode != loss_mode else None,
+               note=f"with the upstream mode and vanilla; --loss-mode {'|'.join(['all', *MODES])}|NAME to choose")
     elif loss_mode is None:  # a loss outside the table (the user's, registered by --import): judged by measurement
-        loss_mode = take("modes diagnosed", f"{POLICY_LOSS}.loss_mode",
-                         note="outside the plugin's table: judged by measurement, with vanilla")
+        loss_mode = p.take("modes diagnosed", f"{POLICY_LOSS}.loss_mode",
+                           note="outside the plugin's table: judged by measurement, with vanilla")
     else:
-        fixed("modes diagnosed", loss_mode, source=SOURCE_OPTION)
-    # a loss outside the table gets the config's policy_loss as composed: verl's fields or the user's class (_target_)
-    policy_loss = None if loss_mode in ("all", *MODES) else r.get(POLICY_LOSS)
+        p.fixed("modes diagnosed", loss_mode, source=SOURCE_OPTION)
+    policy_loss = None if loss_mode in ("all", *MODES) else p.r.get(POLICY_LOSS)
     if policy_loss is not None:
-        take("policy_loss config", f"{POLICY_LOSS}._target_", policy_loss.get("_target_"),
-             note="the config class of the loss diagnosed, with every policy_loss key of your config")
-    loss_agg_mode = take("loss_agg_mode", f"{ACTOR}.loss_agg_mode")
-    loss_scale_factor = take("loss_scale_factor", f"{ACTOR}.loss_scale_factor")
+        p.take("policy_loss config", f"{POLICY_LOSS}._target_", policy_loss.get("_target_"),
+               note="the config class of the loss diagnosed, with every policy_loss key of your config")
+    return loss_mode, policy_loss
+
+
+def _plan_loss(p: _Planner, loss_mode: str, policy_loss: Optional[dict]) -> dict:
+    """The loss's options: aggregation, the modes' knobs (:func:`_plan_knobs`), the entropy controller's knobs, the
+    PPO clip range."""
+    loss_agg_mode = p.take("loss_agg_mode", f"{ACTOR}.loss_agg_mode")
+    loss_scale_factor = p.take("loss_scale_factor", f"{ACTOR}.loss_scale_factor")
     if loss_agg_mode == "seq-mean-token-sum-norm" and loss_scale_factor is None:
-        notes.append("loss_agg_mode=seq-mean-token-sum-norm without loss_scale_factor: verl divides by each "
-                     "micro-batch's padded width, so even vanilla (the control) depends on the micro-batching and "
-                     f"the verdict can fail for that reason alone; set {ACTOR}.loss_scale_factor.")
-    knobs = {}
-    plugin_defaults = {"kl_cov_ratio": 0.0002, "ppo_kl_coef": 1.0, "clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0,
-                       "clip_cov_ub": 5.0, "clip_cov_seed": 0, "entropy_top_ratio": 0.2,
-                       "prepass_layout": "infer", "lp_reg_neg_ratio": 0.01, "lp_reg_pos_ratio": 0.0,
-                       "lp_reg_min_p": 0.02}
-    for knob, default in plugin_defaults.items():
-        key = f"{POLICY_LOSS}.{knob}"
-        if policy_loss is not None:  # the plugin's knobs do not concern a loss outside its table: no rows
-            knobs[knob] = default if r.get(key) is None else r.get(key)
-        elif r.get(key) is not None:
-            knobs[knob] = take(knob, key)
-        else:
-            knobs[knob] = take(knob, key, default, source=SOURCE_DEFAULT,
-                               note="not in your policy_loss: the plugin's default")
-    if policy_loss is None and loss_mode in ("all", "stare_global"):
-        knobs.update(_stare_knobs(r, take))
-    set_knobs = {}
-    if policy_loss is None:  # a mode's knobs that diagnose has no option for (a user's mode's): your config's values
-        from .knobs import option_fields
+        p.notes.append("loss_agg_mode=seq-mean-token-sum-norm without loss_scale_factor: verl divides by each "
+                       "micro-batch's padded width, so even vanilla (the control) depends on the micro-batching and "
+                       f"the verdict can fail for that reason alone; set {ACTOR}.loss_scale_factor.")
+    knobs, prepass_layout, set_knobs = _plan_knobs(p, loss_mode, policy_loss)
+    entropy_control = _plan_entropy_control(p, policy_loss)
+    clip = {name: p.take(name, f"{ACTOR}.{name}") for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high",
+                                                                "clip_ratio_c")}
+    return dict(loss_agg_mode=loss_agg_mode, loss_scale_factor=loss_scale_factor, knobs=knobs,
+                prepass_layout=prepass_layout, set_knobs=set_knobs, entropy_control=entropy_control, **clip)
 
-        for spec in (spec for name, spec in MODES.items() if loss_mode in ("all", name)):
-            for knob in spec.knobs:
-                key = f"{POLICY_LOSS}.{knob}"
-                if knob not in option_fields(DiagnoseOptions) and knob not in set_knobs and r.get(key) is not None:
-                    set_knobs[knob] = take(knob, key, note=f"a knob of {spec.name}")
-    entropy_control = {}
-    if policy_loss is not None:
-        pass  # the plugin's entropy controller drives the table's modes only: no rows for a loss outside it
-    elif r.get(f"{POLICY_LOSS}.entropy_target") is None:
-        fixed("entropy controller", "off", "entropy_target is null: the modes' ratios stay as configured")
-    else:  # every global mode runs with the controller: its first step's ratio is the controller's
-        from ..entropy_control import CONTROL_KNOBS
 
-        for knob in CONTROL_KNOBS:
+def _plan_knobs(p: _Planner, loss_mode: str, policy_loss: Optional[dict]) -> tuple[dict, Any, dict]:
+    """``(knobs, prepass_layout, set_knobs)`` of the modes from your ``policy_loss``.
+
+    Every knob diagnose has a flag for (:func:`.knobs.flag_knobs`) and ``prepass_layout``: your config's value, else
+    the plugin's default (:func:`_plan_knob`). ``set_knobs``: the other knobs of the diagnosed modes (a user's mode's)
+    that your config sets. A row for each knob of a diagnosed mode, in the table's order, then ``prepass_layout``'s;
+    a loss outside the table gets the values and no rows: the plugin's knobs do not concern it.
+    """
+    from ..modes import MODES
+    from .knobs import PREPASS_LAYOUT, flag_knobs
+
+    flags, shown, set_knobs = flag_knobs(), {}, {}
+    diagnosed = [spec for name, spec in MODES.items() if loss_mode in ("all", name)] if policy_loss is None else []
+    for spec in diagnosed:
+        for knob in spec.knobs:
             key = f"{POLICY_LOSS}.{knob}"
-            if r.get(key) is not None:
-                entropy_control[knob] = take(knob, key, note="the entropy controller" if knob == "entropy_target" else "")
-    clip = {name: take(name, f"{ACTOR}.{name}") for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high",
-                                                              "clip_ratio_c")}
+            if knob in flags and knob not in shown:
+                shown[knob] = _plan_knob(p, knob, row=True)
+            elif knob not in flags and knob != PREPASS_LAYOUT and knob not in set_knobs and p.r.get(key) is not None:
+                set_knobs[knob] = p.take(knob, key, note=f"a knob of {spec.name}")
+    prepass_layout = _plan_knob(p, PREPASS_LAYOUT, row=policy_loss is None)
+    knobs = {knob: shown[knob] if knob in shown else _plan_knob(p, knob, row=False) for knob in flags}
+    return knobs, prepass_layout, set_knobs
 
-    # minibatch per DP rank
-    sp = _positive_int(take("ulysses_sequence_parallel_size", f"{ACTOR}.ulysses_sequence_parallel_size"),
+
+def _plan_knob(p: _Planner, knob: str, row: bool) -> Any:
+    """One knob's value from your ``policy_loss``, with a row when ``row``: your config's value, else the plugin's
+    default (the mode's, :func:`.knobs.mode_default`), except where :data:`.knobs.DIAGNOSE_DEPARTURES` applies to a
+    plan: :data:`.knobs.WHERE_UNSET`, diagnose's value in place of the mode's default; :data:`.knobs.ALWAYS`,
+    diagnose's value over your config's (shown beside it)."""
+    from .knobs import ALWAYS, DIAGNOSE_DEPARTURES, WHERE_UNSET, mode_default
+
+    key = f"{POLICY_LOSS}.{knob}"
+    yours = p.r.get(key)
+    departure = DIAGNOSE_DEPARTURES.get(knob)
+    if departure is not None and departure.with_config == ALWAYS:
+        if row:
+            p.take(knob, key, departure.value, source=SOURCE_DEFAULT, yours=yours if yours != departure.value else None,
+                   note=departure.config_note)
+        return departure.value
+    if yours is not None:
+        return p.take(knob, key) if row else yours
+    value = departure.value if departure is not None and departure.with_config == WHERE_UNSET else mode_default(knob)
+    if row:
+        p.take(knob, key, value, source=SOURCE_DEFAULT, note="not in your policy_loss: the plugin's default")
+    return value
+
+
+def _plan_entropy_control(p: _Planner, policy_loss: Optional[dict]) -> dict:
+    """The entropy controller's knobs your policy_loss sets, given to every global mode it drives; empty (the
+    controller off) without ``entropy_target``, and for a loss outside the table."""
+    if policy_loss is not None:
+        return {}  # the plugin's entropy controller drives the table's modes only: no rows for a loss outside it
+    if p.r.get(f"{POLICY_LOSS}.entropy_target") is None:
+        p.fixed("entropy controller", "off", "entropy_target is null: the modes' ratios stay as configured")
+        return {}
+    from ..entropy_control import CONTROL_KNOBS
+
+    entropy_control = {}  # every global mode runs with the controller: its first step's ratio is the controller's
+    for knob in CONTROL_KNOBS:
+        key = f"{POLICY_LOSS}.{knob}"
+        if p.r.get(key) is not None:
+            entropy_control[knob] = p.take(knob, key, note="the entropy controller" if knob == "entropy_target" else "")
+    return entropy_control
+
+
+def _plan_full_shape(p: _Planner) -> tuple[Shape, int, int]:
+    """One data-parallel rank's minibatch at the config's full lengths, the Ulysses size and the data-parallel size."""
+    sp = _positive_int(p.take("ulysses_sequence_parallel_size", f"{ACTOR}.ulysses_sequence_parallel_size"),
                        f"{ACTOR}.ulysses_sequence_parallel_size") or 1
-    world = (_positive_int(take("n_gpus_per_node", "trainer.n_gpus_per_node"), "trainer.n_gpus_per_node") or 1) * (
-        _positive_int(take("nnodes", "trainer.nnodes"), "trainer.nnodes") or 1)
+    world = (_positive_int(p.take("n_gpus_per_node", "trainer.n_gpus_per_node"), "trainer.n_gpus_per_node") or 1) * (
+        _positive_int(p.take("nnodes", "trainer.nnodes"), "trainer.nnodes") or 1)
     if world % sp:
         raise DiagnoseError(f"trainer.n_gpus_per_node * trainer.nnodes = {world} is not divisible by "
                             f"{ACTOR}.ulysses_sequence_parallel_size = {sp}")
     dp = world // sp
-    mini = _positive_int(take("ppo_mini_batch_size (prompts)", f"{ACTOR}.ppo_mini_batch_size"),
+    mini = _positive_int(p.take("ppo_mini_batch_size (prompts)", f"{ACTOR}.ppo_mini_batch_size"),
                          f"{ACTOR}.ppo_mini_batch_size", required=True)
-    n = _positive_int(take("rollout.n", f"{ROLLOUT}.n"), f"{ROLLOUT}.n") or 1
+    n = _positive_int(p.take("rollout.n", f"{ROLLOUT}.n"), f"{ROLLOUT}.n") or 1
     if (mini * n) % dp:
         raise DiagnoseError(f"ppo_mini_batch_size * rollout.n = {mini * n} sequences do not split over {dp} "
                             f"data-parallel ranks; verl's main_ppo refuses this too")
-    prompt_len = _positive_int(take("max_prompt_length", "data.max_prompt_length"), "data.max_prompt_length",
+    prompt_len = _positive_int(p.take("max_prompt_length", "data.max_prompt_length"), "data.max_prompt_length",
                                required=True)
-    response_len = _positive_int(take("max_response_length", "data.max_response_length"),
+    response_len = _positive_int(p.take("max_response_length", "data.max_response_length"),
                                  "data.max_response_length", required=True)
-    full = Shape(mini * n // dp, prompt_len, response_len)
     if sp > 1:
-        notes.append(f"Ulysses sequence parallelism {sp}: diagnose runs one data-parallel rank's whole shard in one "
-                     f"process, with verl's token budgets x {sp} as verl's micro-batching applies them; the "
-                     "sequence-parallel forward itself is not reproduced.")
+        p.notes.append(f"Ulysses sequence parallelism {sp}: diagnose runs one data-parallel rank's whole shard in one "
+                       f"process, with verl's token budgets x {sp} as verl's micro-batching applies them; the "
+                       "sequence-parallel forward itself is not reproduced.")
+    return Shape(mini * n // dp, prompt_len, response_len), sp, dp
 
-    # the user's micro-batching on the full shape
-    use_dynamic_bsz = bool(take("use_dynamic_bsz", f"{ACTOR}.use_dynamic_bsz"))
-    log_prob_dynamic = r.get(f"{ROLLOUT}.log_prob_use_dynamic_bsz")
-    take("log_prob_use_dynamic_bsz", f"{ROLLOUT}.log_prob_use_dynamic_bsz")
+
+@dataclass(frozen=True)
+class _MicroBatching:
+    """The user's micro-batching on the full shape: ``micro_batches`` formed; ``dynamic``: the token ``budget`` and
+    the log-prob pass's ``infer_budget``; static: ``micro`` and ``infer_micro`` sequences per micro-batch, each with
+    the source and note of a value diagnose supplied where the config has none (None / "": the config's)."""
+
+    dynamic: bool
+    micro_batches: int
+    budget: Optional[int] = None
+    infer_budget: Optional[int] = None
+    micro: Optional[int] = None
+    micro_source: Optional[str] = None
+    micro_note: str = ""
+    infer_micro: Optional[int] = None
+    infer_source: Optional[str] = None
+    infer_note: str = ""
+
+
+_MICRO_KEY = f"{ACTOR}.ppo_micro_batch_size_per_gpu"
+_BUDGET_KEY = f"{ACTOR}.ppo_max_token_len_per_gpu"
+_INFER_MICRO_KEY = f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu"
+_INFER_BUDGET_KEY = f"{ROLLOUT}.log_prob_max_token_len_per_gpu"
+
+
+def _plan_micro_batching(p: _Planner, full: Shape, sp: int, dp: int) -> _MicroBatching:
+    """The user's micro-batching (dynamic: token budgets; static: sequences per micro-batch) on the full shape."""
+    use_dynamic_bsz = bool(p.take("use_dynamic_bsz", f"{ACTOR}.use_dynamic_bsz"))
+    log_prob_dynamic = p.r.get(f"{ROLLOUT}.log_prob_use_dynamic_bsz")
+    p.take("log_prob_use_dynamic_bsz", f"{ROLLOUT}.log_prob_use_dynamic_bsz")
     if bool(log_prob_dynamic) != use_dynamic_bsz:
-        notes.append(f"{ROLLOUT}.log_prob_use_dynamic_bsz={log_prob_dynamic} differs from {ACTOR}.use_dynamic_bsz="
-                     f"{use_dynamic_bsz}: verl's actor worker asserts they agree. diagnose follows the actor's.")
-    micro_key = f"{ACTOR}.ppo_micro_batch_size_per_gpu"
-    budget_key = f"{ACTOR}.ppo_max_token_len_per_gpu"
-    infer_micro_key = f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu"
-    infer_budget_key = f"{ROLLOUT}.log_prob_max_token_len_per_gpu"
-    if use_dynamic_bsz:
-        budget = _positive_int(r.get(budget_key), budget_key)
-        if budget is None:
-            raise DiagnoseError(f"{ACTOR}.use_dynamic_bsz=True needs {budget_key}; set it")
-        if budget * sp < full.seq_len:
-            raise DiagnoseError(f"{budget_key}={budget} (x SP {sp}) is below one sequence of {full.seq_len} tokens "
-                                "(max_prompt_length + max_response_length): verl's dynamic batching refuses it")
-        micro_batches = _micro_batches_dynamic(full.sequences, full.seq_len, budget * sp)
-        infer_budget = _positive_int(r.get(infer_budget_key), infer_budget_key)
-        if infer_budget is None:
-            raise DiagnoseError(f"use_dynamic_bsz=True needs {infer_budget_key}; set it")
-    else:
-        micro = _positive_int(r.get(micro_key), micro_key)
-        micro_source, micro_note = None, ""
-        if micro is None:
-            micro_batches = min(DEFAULT_MICRO_BATCHES, full.sequences)
-            while full.sequences % micro_batches:
-                micro_batches -= 1
-            micro = full.sequences // micro_batches
-            micro_source, micro_note = SOURCE_DEFAULT, f"unset: {micro_batches} micro-batches"
-            legacy = r.get(f"{ACTOR}.ppo_micro_batch_size")
-            notes.append(f"{micro_key} is null and use_dynamic_bsz is False: verl's main_ppo would refuse this "
-                         f"config" + (f" (the deprecated ppo_micro_batch_size={legacy} is not read by verl 0.9.1's "
-                                      "engine workers)" if legacy is not None else "")
-                         + f". diagnose uses {micro} sequences per micro-batch ({micro_batches} micro-batches); "
-                         f"set {micro_key} to see your own.")
-        if micro < 1 or full.sequences % micro:
-            raise DiagnoseError(f"{micro_key}={micro} does not divide the {full.sequences} sequences one "
-                                f"data-parallel rank holds (ppo_mini_batch_size * rollout.n / {dp}); verl refuses it")
-        micro_batches = full.sequences // micro
-        infer_micro = _positive_int(r.get(infer_micro_key), infer_micro_key)
-        infer_source, infer_note = None, ""
-        if infer_micro is None:
-            infer_micro, infer_source, infer_note = micro, SOURCE_DEFAULT, "unset: the training micro-batch size"
-            notes.append(f"{infer_micro_key} is null (verl's main_ppo would refuse it with static batching): "
-                         f"diagnose's log-prob inference (the prepass's default layout) uses {micro}, the training "
-                         "micro-batch size.")
+        p.notes.append(f"{ROLLOUT}.log_prob_use_dynamic_bsz={log_prob_dynamic} differs from {ACTOR}.use_dynamic_bsz="
+                       f"{use_dynamic_bsz}: verl's actor worker asserts they agree. diagnose follows the actor's.")
+    return _plan_dynamic(p, full, sp) if use_dynamic_bsz else _plan_static(p, full, dp)
 
-    # scale to the device
+
+def _plan_dynamic(p: _Planner, full: Shape, sp: int) -> _MicroBatching:
+    """Dynamic micro-batches: verl's ``rearrange_micro_batches`` on the token budget (x the Ulysses size)."""
+    budget = _positive_int(p.r.get(_BUDGET_KEY), _BUDGET_KEY)
+    if budget is None:
+        raise DiagnoseError(f"{ACTOR}.use_dynamic_bsz=True needs {_BUDGET_KEY}; set it")
+    if budget * sp < full.seq_len:
+        raise DiagnoseError(f"{_BUDGET_KEY}={budget} (x SP {sp}) is below one sequence of {full.seq_len} tokens "
+                            "(max_prompt_length + max_response_length): verl's dynamic batching refuses it")
+    infer_budget = _positive_int(p.r.get(_INFER_BUDGET_KEY), _INFER_BUDGET_KEY)
+    if infer_budget is None:
+        raise DiagnoseError(f"use_dynamic_bsz=True needs {_INFER_BUDGET_KEY}; set it")
+    return _MicroBatching(True, _micro_batches_dynamic(full.sequences, full.seq_len, budget * sp), budget=budget,
+                          infer_budget=infer_budget)
+
+
+def _plan_static(p: _Planner, full: Shape, dp: int) -> _MicroBatching:
+    """Static micro-batches of ``ppo_micro_batch_size_per_gpu`` sequences (diagnose's when the config has none)."""
+    micro = _positive_int(p.r.get(_MICRO_KEY), _MICRO_KEY)
+    micro_source, micro_note = None, ""
+    if micro is None:
+        micro_batches = min(DEFAULT_MICRO_BATCHES, full.sequences)
+        while full.sequences % micro_batches:
+            micro_batches -= 1
+        micro = full.sequences // micro_batches
+        micro_source, micro_note = SOURCE_DEFAULT, f"unset: {micro_batches} micro-batches"
+        legacy = p.r.get(f"{ACTOR}.ppo_micro_batch_size")
+        p.notes.append(f"{_MICRO_KEY} is null and use_dynamic_bsz is False: verl's main_ppo would refuse this "
+                       f"config" + (f" (the deprecated ppo_micro_batch_size={legacy} is not read by verl 0.9.1's "
+                                    "engine workers)" if legacy is not None else "")
+                       + f". diagnose uses {micro} sequences per micro-batch ({micro_batches} micro-batches); "
+                       f"set {_MICRO_KEY} to see your own.")
+    if micro < 1 or full.sequences % micro:
+        raise DiagnoseError(f"{_MICRO_KEY}={micro} does not divide the {full.sequences} sequences one "
+                            f"data-parallel rank holds (ppo_mini_batch_size * rollout.n / {dp}); verl refuses it")
+    infer_micro = _positive_int(p.r.get(_INFER_MICRO_KEY), _INFER_MICRO_KEY)
+    infer_source, infer_note = None, ""
+    if infer_micro is None:
+        infer_micro, infer_source, infer_note = micro, SOURCE_DEFAULT, "unset: the training micro-batch size"
+        p.notes.append(f"{_INFER_MICRO_KEY} is null (verl's main_ppo would refuse it with static batching): "
+                       f"diagnose's log-prob inference (the prepass's default layout) uses {micro}, the training "
+                       "micro-batch size.")
+    return _MicroBatching(False, full.sequences // micro, micro=micro, micro_source=micro_source,
+                          micro_note=micro_note, infer_micro=infer_micro, infer_source=infer_source,
+                          infer_note=infer_note)
+
+
+def _plan_scaled_layout(p: _Planner, full: Shape, batching: _MicroBatching, sp: int, dp: int,
+                        max_tokens: Optional[int], device: str) -> tuple[Shape, dict, dict]:
+    """The shape diagnose runs (scaled down to ``--max-tokens``), the report's ``scaling``, and the micro-batch
+    settings scaled with it so that it still forms the user's number of micro-batches (DiagnoseOptions' layout)."""
     max_tokens_source = SOURCE_OPTION if max_tokens else SOURCE_DEFAULT
     max_tokens = max_tokens or DEFAULT_MAX_TOKENS.get(device, DEFAULT_MAX_TOKENS["cuda"])
+    micro_batches = batching.micro_batches
     shape = scale_shape(full, micro_batches, max_tokens)
     scaled = shape != full
-    fixed("--max-tokens", max_tokens, f"default for {device}" if max_tokens_source == SOURCE_DEFAULT else "",
-          source=max_tokens_source)
+    p.fixed("--max-tokens", max_tokens, f"default for {device}" if max_tokens_source == SOURCE_DEFAULT else "",
+            source=max_tokens_source)
     if not scaled:
         scaling_text = f"per data-parallel rank {full.text()} fits --max-tokens {max_tokens}: not scaled"
     else:
@@ -624,71 +719,75 @@ def plan_from_config(config, *, overrides: Sequence[str] = (), raw=None, max_tok
                      else f"sequences {full.sequences} -> {shape.sequences}")
         scaling_text = (f"per data-parallel rank {full.text()} > --max-tokens {max_tokens}: scaled to {shape.text()} "
                         f"({', '.join(parts)}); micro-batch settings scaled to keep {micro_batches} micro-batches")
-    if use_dynamic_bsz:
-        user_budget = budget * sp if not scaled else _budget_for(shape.sequences, shape.seq_len, micro_batches)
-        take("ppo_max_token_len_per_gpu", budget_key, user_budget, yours=budget if user_budget != budget else None,
-             note=("scaled" if scaled else "") + (f" (x SP {sp})" if sp > 1 else ""))
-        user_infer = infer_budget * sp
-        if scaled:
-            user_infer = max(shape.seq_len, math.ceil(infer_budget * sp * shape.tokens / full.tokens))
-        if user_infer < shape.seq_len:
-            raise DiagnoseError(f"{infer_budget_key}={infer_budget} is below one sequence of {shape.seq_len} tokens: "
-                                "verl's dynamic batching refuses it")
-        take("log_prob_max_token_len_per_gpu", infer_budget_key, user_infer,
-             yours=infer_budget if user_infer != infer_budget else None, note="scaled" if scaled else "")
-        layout_kwargs = dict(layout="dynamic", max_token_len_per_gpu=user_budget,
-                             infer_max_token_len_per_gpu=user_infer, infer_micro_batch_size_per_gpu=None)
-    else:
-        user_micro = shape.sequences // micro_batches
-        take("ppo_micro_batch_size_per_gpu", micro_key, user_micro, source=micro_source,
-             yours=micro if user_micro != micro else None,
-             note=("; ".join(x for x in (micro_note, "scaled" if user_micro != micro else "") if x)))
-        user_infer_micro = infer_micro if shape.sequences == full.sequences else max(
-            1, infer_micro * shape.sequences // full.sequences)
-        take("log_prob_micro_batch_size_per_gpu", infer_micro_key, user_infer_micro, source=infer_source,
-             yours=infer_micro if user_infer_micro != infer_micro else None,
-             note="; ".join(x for x in (infer_note, "scaled" if user_infer_micro != infer_micro else "") if x))
-        layout_kwargs = dict(layout="static", micro_batch_size_per_gpu=user_micro,
-                             infer_micro_batch_size_per_gpu=user_infer_micro, infer_max_token_len_per_gpu=None)
-    settings.append(Setting("minibatch per DP rank", shape.text(),
-                            SOURCE_CONFIG if not scaled else f"{SOURCE_CONFIG}, scaled", None,
-                            full.text() if scaled else None, "all sequences at the maximum lengths"))
+    layout = (_scaled_dynamic_layout(p, full, shape, batching, sp) if batching.dynamic
+              else _scaled_static_layout(p, full, shape, batching))
+    p.settings.append(Setting("minibatch per DP rank", shape.text(),
+                              SOURCE_CONFIG if not scaled else f"{SOURCE_CONFIG}, scaled", None,
+                              full.text() if scaled else None, "all sequences at the maximum lengths"))
+    scaling = {"full": asdict(full), "used": asdict(shape), "max_tokens": max_tokens, "scaled": scaled,
+               "micro_batches": micro_batches, "data_parallel_size": dp, "text": scaling_text}
+    return shape, scaling, layout
+
+
+def _scaled_dynamic_layout(p: _Planner, full: Shape, shape: Shape, batching: _MicroBatching, sp: int) -> dict:
+    """The token budgets of ``shape`` (the training one forms the user's number of micro-batches)."""
+    scaled = shape != full
+    budget, infer_budget = batching.budget, batching.infer_budget
+    user_budget = budget * sp if not scaled else _budget_for(shape.sequences, shape.seq_len, batching.micro_batches)
+    p.take("ppo_max_token_len_per_gpu", _BUDGET_KEY, user_budget, yours=budget if user_budget != budget else None,
+           note=("scaled" if scaled else "") + (f" (x SP {sp})" if sp > 1 else ""))
+    user_infer = infer_budget * sp
+    if scaled:
+        user_infer = max(shape.seq_len, math.ceil(infer_budget * sp * shape.tokens / full.tokens))
+    if user_infer < shape.seq_len:
+        raise DiagnoseError(f"{_INFER_BUDGET_KEY}={infer_budget} is below one sequence of {shape.seq_len} tokens: "
+                            "verl's dynamic batching refuses it")
+    p.take("log_prob_max_token_len_per_gpu", _INFER_BUDGET_KEY, user_infer,
+           yours=infer_budget if user_infer != infer_budget else None, note="scaled" if scaled else "")
+    return dict(layout="dynamic", max_token_len_per_gpu=user_budget, infer_max_token_len_per_gpu=user_infer,
+                infer_micro_batch_size_per_gpu=None)
+
+
+def _scaled_static_layout(p: _Planner, full: Shape, shape: Shape, batching: _MicroBatching) -> dict:
+    """The micro-batch sizes of ``shape`` (the training one forms the user's number of micro-batches)."""
+    micro, infer_micro = batching.micro, batching.infer_micro
+    user_micro = shape.sequences // batching.micro_batches
+    p.take("ppo_micro_batch_size_per_gpu", _MICRO_KEY, user_micro, source=batching.micro_source,
+           yours=micro if user_micro != micro else None,
+           note=("; ".join(x for x in (batching.micro_note, "scaled" if user_micro != micro else "") if x)))
+    user_infer_micro = infer_micro if shape.sequences == full.sequences else max(
+        1, infer_micro * shape.sequences // full.sequences)
+    p.take("log_prob_micro_batch_size_per_gpu", _INFER_MICRO_KEY, user_infer_micro, source=batching.infer_source,
+           yours=infer_micro if user_infer_micro != infer_micro else None,
+           note="; ".join(x for x in (batching.infer_note, "scaled" if user_infer_micro != infer_micro else "") if x))
+    return dict(layout="static", micro_batch_size_per_gpu=user_micro, infer_micro_batch_size_per_gpu=user_infer_micro,
+                infer_max_token_len_per_gpu=None)
+
+
+def _plan_run(p: _Planner, policy_loss: Optional[dict], micro_batches: int, blocks: Optional[int], seed: int) -> int:
+    """What diagnose runs its own way (one update, its optimizer, its blocks and seed), with a note for each key of
+    the config it does not reproduce; returns the blocks."""
     if micro_batches == 1:
-        notes.append("your micro-batching puts a data-parallel rank's whole minibatch in one micro-batch: upstream's "
-                     "selection does not depend on micro-batching here (only on the DP size, which one process "
-                     "cannot show); both layouts below are the same.")
+        p.notes.append("your micro-batching puts a data-parallel rank's whole minibatch in one micro-batch: upstream's "
+                       "selection does not depend on micro-batching here (only on the DP size, which one process "
+                       "cannot show); both layouts below are the same.")
     for name, key, ignored_if in (("ppo_epochs", f"{ACTOR}.ppo_epochs", 1),
                                   ("entropy_coeff", f"{ACTOR}.entropy_coeff", 0),
                                   ("use_kl_loss", f"{ACTOR}.use_kl_loss", False)):
-        value = r.get(key)
+        value = p.r.get(key)
         if value is not None and value != ignored_if:
-            notes.append(f"{key}={value!r} is not reproduced: diagnose runs one optimizer update"
-                         + (" per layout" if name == "ppo_epochs" else f" with {name}={ignored_if!r}")
-                         + " (it does not change which tokens are selected).")
-    fixed("optimizer", "SGD lr 0.02, clip 0.05, 1 step" if policy_loss is None else "SGD lr 0.02, no clipping, 1 step",
-          "on purpose: parameter differences are gradient differences (your optim settings are not used)")
+            p.notes.append(f"{key}={value!r} is not reproduced: diagnose runs one optimizer update"
+                           + (" per layout" if name == "ppo_epochs" else f" with {name}={ignored_if!r}")
+                           + " (it does not change which tokens are selected).")
+    p.fixed("optimizer",
+            "SGD lr 0.02, clip 0.05, 1 step" if policy_loss is None else "SGD lr 0.02, no clipping, 1 step",
+            "on purpose: parameter differences are gradient differences (your optim settings are not used)")
     if blocks is None:
-        blocks = fixed("blocks", DEFAULT_BLOCKS, "independent minibatches (seeds)")
+        blocks = p.fixed("blocks", DEFAULT_BLOCKS, "independent minibatches (seeds)")
     else:
-        fixed("blocks", blocks, source=SOURCE_OPTION)
-    fixed("seed", seed, source=SOURCE_OPTION if seed != 0 else SOURCE_DEFAULT)
-
-    found = config_findings(config)
-    notes += [f"{finding.severity}: {finding.text()}" for finding in found]
-
-    options = DiagnoseOptions(
-        model=model, device=device, dtype=dtype, strategy=strategy, blocks=blocks, seed=seed, json_path=json_path,
-        loss_mode=loss_mode, batch_size=shape.sequences, prompt_len=shape.prompt_len,
-        response_len=shape.response_len, micro_batches=micro_batches, use_remove_padding=use_remove_padding,
-        gradient_checkpointing=gradient_checkpointing, loss_agg_mode=loss_agg_mode,
-        loss_scale_factor=loss_scale_factor, compare_prepass_layouts=False, policy_loss=policy_loss,
-        entropy_control=entropy_control, set_knobs=set_knobs, **knobs, **clip, **layout_kwargs,
-    )
-    scaling = {"full": asdict(full), "used": asdict(shape), "max_tokens": max_tokens, "scaled": scaled,
-               "micro_batches": micro_batches, "data_parallel_size": dp, "text": scaling_text}
-    return ConfigPlan(options, settings, scaling, notes,
-                      {"name": config_name, "path": where, "overrides": list(overrides)},
-                      [finding.to_json() for finding in found], prepass_counts(config))
+        p.fixed("blocks", blocks, source=SOURCE_OPTION)
+    p.fixed("seed", seed, source=SOURCE_OPTION if seed != 0 else SOURCE_DEFAULT)
+    return blocks
 
 
 def plan_for(config_path: Optional[str], config_name: str, overrides: Sequence[str], **kwargs) -> ConfigPlan:
