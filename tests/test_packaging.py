@@ -50,13 +50,13 @@ def test_no_file_claims_the_package_is_on_an_index():
     assert not offenders, offenders
 
 
-def test_readme_commands_are_the_ones_ci_runs_and_name_this_version():
+def test_readme_commands_are_the_ones_ci_runs():
     readme, ci = (REPO / "README.md").read_text(), (REPO / ".ci" / "run").read_text()
     tests = "bash scripts/setup.sh --real-model && .venv/bin/python -m pytest -q"
     assert tests in readme and tests in ci
     assert "bash scripts/setup.sh && .venv/bin/verl-klcov-global diagnose" in readme
     assert ".venv/bin/verl-klcov-global diagnose" in ci and "bash scripts/test_wheel.sh" in ci
-    assert f"verl_klcov_global-{verl_klcov_global.__version__}-py3-none-any.whl" in readme
+    assert "dist/verl_klcov_global-*.whl" in readme  # a glob: the README names no version
 
 
 def test_every_packaged_config_is_package_data_and_selects_a_mode_of_the_table():
