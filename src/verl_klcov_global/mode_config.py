@@ -32,7 +32,7 @@ from .selection.knobs import POLICY_LOSS as POLICY_LOSS_PREFIX, finite_number, s
 __all__ = [
     "DEFAULT_CLIP_RATIO_C", "DEFAULT_COV_CONTROL_BOUNDS", "DEFAULT_ENTROPY_CONTROL_HORIZON", "DEFAULT_ENTROPY_CONTROL_KI",
     "DEFAULT_ENTROPY_CONTROL_KP", "DEFAULT_ENTROPY_CONTROL_WINDOW", "MASK_FIELD", "OLD_POLICY_LAYOUT", "PREPASS_LAYOUTS",
-    "PROXY_FIELD", "RATIO_OF_MINIBATCH", "common_settings", "refuse_controller_knobs", "SUPPORTED_STRATEGIES", "GlobalModePolicyLossConfig", "PrepassPolicyLossConfig",
+    "PROXY_FIELD", "RATIO_OF_MINIBATCH", "ModeSettings", "ClippedModeSettings", "clipped_settings", "common_settings", "refuse_controller_knobs", "SUPPORTED_STRATEGIES", "GlobalModePolicyLossConfig", "PrepassPolicyLossConfig",
     "controller_knobs_set", "knob_value", "loss_mode_of", "parent_post_init", "policy_loss_of", "ppo_clip_settings",
     "read_entropy_control", "require_loss_mode", "unsupported_strategy_message", "validate_clip_ratio_c",
     "validate_prepass_layout",
@@ -107,6 +107,23 @@ def ppo_clip_settings(actor_config: Any, dual_clip: bool = True) -> dict[str, fl
     return settings
 
 
+@dataclass(frozen=True, kw_only=True)
+class ModeSettings:
+    """The base of every mode's validated settings (keyword-only fields): what :func:`common_settings` reads,
+    ``prepass_layout`` and ``entropy_control`` (None: the controller is off, or the mode has none)."""
+
+    prepass_layout: str
+    entropy_control: Optional[EntropyControlSettings] = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClippedModeSettings(ModeSettings):
+    """:class:`ModeSettings` of a mode with verl ``vanilla``'s PPO clip range (:func:`ppo_clip_settings`)."""
+
+    clip_ratio_low: float
+    clip_ratio_high: float
+
+
 def common_settings(policy_loss: Any, control_bounds: Optional[tuple[float, float]] = None) -> dict[str, Any]:
     """The settings every mode shares, validated (ValueError naming the key): ``prepass_layout``, and with
     ``control_bounds`` (the mode's default bounds of its controlled ratio) the entropy controller's
@@ -115,6 +132,13 @@ def common_settings(policy_loss: Any, control_bounds: Optional[tuple[float, floa
     if control_bounds is not None:
         settings["entropy_control"] = read_entropy_control(policy_loss, control_bounds)
     return settings
+
+
+def clipped_settings(actor_config: Any, policy_loss: Any, control_bounds: Optional[tuple[float, float]] = None, *,
+                     dual_clip: bool = True) -> dict[str, Any]:
+    """The fields of :class:`ClippedModeSettings` (plus ``clip_ratio_c`` with ``dual_clip``), validated:
+    :func:`ppo_clip_settings` of ``actor_config`` and :func:`common_settings` of ``policy_loss``."""
+    return {**ppo_clip_settings(actor_config, dual_clip=dual_clip), **common_settings(policy_loss, control_bounds)}
 
 
 def refuse_controller_knobs(policy_loss: Any, mode: str, why: str) -> None:
@@ -178,9 +202,14 @@ def loss_mode_of(actor_config: Any) -> Optional[str]:
     return knob_value(policy_loss, "loss_mode", "vanilla")
 
 
-def policy_loss_of(actor_config: Any, mode: str) -> Any:
+def policy_loss_of(actor_config: Any, mode: str, *, no_controller_because: Optional[str] = None) -> Any:
+    """``actor_config.policy_loss`` (ValueError when there is none). For a mode without the entropy controller,
+    ``no_controller_because`` says why (its reason and what to set instead): a controller knob set there is refused
+    (:func:`refuse_controller_knobs`)."""
     if actor_config is None or getattr(actor_config, "policy_loss", None) is None:
         raise ValueError(f"{mode} needs the actor config (with policy_loss) passed as `config`")
+    if no_controller_because is not None:
+        refuse_controller_knobs(actor_config.policy_loss, mode, no_controller_because)
     return actor_config.policy_loss
 
 

@@ -429,8 +429,14 @@ def _guard_validate_config() -> None:
         return current(*args, **kwargs)
 
     setattr(validate_config, SEAM_ERROR_ATTR, True)
-    verl_config.validate_config = validate_config
+    replace_validate_config(current, validate_config)
+
+
+def replace_validate_config(current: Callable, replacement: Callable) -> None:
+    """Make ``replacement`` verl's ``verl.utils.config.validate_config`` in place of ``current``, also where a trainer
+    module (``verl.trainer.main_ppo``, ``main_ppo_v0`` or ``__main__``) imported ``current`` by name before."""
+    importlib.import_module("verl.utils.config").validate_config = replacement
     for name in ("verl.trainer.main_ppo", "verl.trainer.main_ppo_v0", "__main__"):
         module = sys.modules.get(name)
         if module is not None and getattr(module, "validate_config", None) is current:
-            module.validate_config = validate_config
+            module.validate_config = replacement

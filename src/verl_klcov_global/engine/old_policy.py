@@ -63,16 +63,11 @@ def old_policy_statistics(engine, data: TensorDict, *, mode_name: str,
         log_probs = padded(data["old_log_probs"]).to(get_device_id())
         if not needs_entropy:
             return log_probs, None
-        try:
-            entropy, why = reuse.held_entropy(engine, data)
-        except Exception as error:  # every rank must reach the agreement below
-            entropy, why = None, f"look-up failed ({type(error).__name__}: {error})"
-        if not reuse.agreed(entropy is not None):
+        entropy, missing = reuse.held_on_every_rank(reuse.held_entropy, engine, data)
+        if missing is not None:
             raise OldPolicyStatisticsError(
                 f"loss_mode={mode_name} with prepass_layout={OLD_POLICY_LAYOUT} reads pi_old's entropy (the mode's "
-                "selection or the entropy controller), kept from verl's log-prob pass, and "
-                + ("another rank has none for its minibatch" if entropy is not None else f"this rank has none: {why}")
-                + ". The plugin keeps that pass where the actor's compute_log_prob runs through verl's engine "
+                f"selection or the entropy controller), kept from verl's log-prob pass, and {missing}. The plugin keeps that pass where the actor's compute_log_prob runs through verl's engine "
                 "TrainingWorker with calculate_entropy; set actor_rollout_ref.actor.policy_loss.prepass_layout=infer "
                 "to select from the current policy instead")
         return log_probs, entropy

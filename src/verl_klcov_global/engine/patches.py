@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -60,6 +59,7 @@ from verl.workers.engine.base import BaseEngine
 from .. import driver
 from ..mode_config import OLD_POLICY_LAYOUT
 from ..modes import global_mode_of
+from ..seams import replace_validate_config
 from . import reuse
 from .proxy import PROXY_REQUEST_KEY, prepare_model_outputs_with_proxy
 from .step import actor_config_of, train_batch_with_prepass
@@ -167,11 +167,7 @@ def install_driver_checks() -> None:
         return current(config, *args, **kwargs)
 
     setattr(validate_config, ORIGINAL_ATTR, current)
-    verl_config.validate_config = validate_config
-    for name in ("verl.trainer.main_ppo", "verl.trainer.main_ppo_v0", "__main__"):
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, "validate_config", None) is current:
-            module.validate_config = validate_config
+    replace_validate_config(current, validate_config)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -427,6 +427,19 @@ def held_proxy(engine, data: TensorDict) -> tuple[Optional[torch.Tensor], str]:
     return _gather(kept, rows, data, fields=(kept.proxy,))[0], "held"
 
 
+def held_on_every_rank(look_up, engine, data: TensorDict) -> tuple[Optional[torch.Tensor], Optional[str]]:
+    """``look_up(engine, data)`` (:func:`held_entropy` or :func:`held_proxy`) agreed over the ranks:
+    ``(tensor, None)`` when every rank has one, else ``(None, why)`` on every rank, ``why`` saying whether this rank
+    or another has none (a failing look-up counts as none: every rank reaches the agreement, none waits in it)."""
+    try:
+        held, why = look_up(engine, data)
+    except Exception as error:  # every rank must reach the agreement below
+        held, why = None, f"look-up failed ({type(error).__name__}: {error})"
+    if agreed(held is not None):
+        return held, None
+    return None, "another rank has none for its minibatch" if held is not None else f"this rank has none: {why}"
+
+
 def agreed(ok: bool) -> bool:
     """``ok`` on every rank of the default process group (MIN of one integer); ``ok`` alone without one."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -163,16 +163,11 @@ def require_supported_engine(engine: BaseEngine, mode: ModeSpec) -> None:
 def _held_proxy(engine: BaseEngine, data: TensorDict, mode: ModeSpec):
     """pi_old's proxy log-probs of the minibatch's rows, held from verl's log-prob pass; every rank gets one, or every
     rank raises :class:`ProxyUnavailableError` (the decision is agreed first: no rank waits in a collective)."""
-    try:
-        proxy, why = reuse.held_proxy(engine, data)
-    except Exception as error:  # every rank must reach the agreement below
-        proxy, why = None, f"look-up failed ({type(error).__name__}: {error})"
-    if not reuse.agreed(proxy is not None):
+    proxy, missing = reuse.held_on_every_rank(reuse.held_proxy, engine, data)
+    if missing is not None:
         raise ProxyUnavailableError(
             f"loss_mode={mode.name} reads its proxy pi_proxy, computed in verl's log-prob pass with the old policy and "
-            "held for the update, and " + ("another rank has none for its minibatch" if proxy is not None
-                                           else f"this rank has none: {why}")
-            + ". The plugin computes it where the actor's compute_log_prob runs through verl's engine TrainingWorker "
+            f"held for the update, and {missing}. The plugin computes it where the actor's compute_log_prob runs through verl's engine TrainingWorker "
             "(the legacy or the v1 sync trainer, bypass_mode=False) with the plugin loaded in the worker")
     return proxy
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -228,6 +228,21 @@ class TopKeys:
     mask: torch.Tensor
     threshold: Optional[int]
     rounds: int
+
+
+def largest_selection_fields(top: TopKeys, quota: int, means: GroupMeans) -> dict[str, Any]:
+    """The result fields every selection of the ``quota`` largest keys reports, as keyword arguments: ``mask``,
+    ``quota`` and ``num_selected`` (equal: ties are broken exactly), ``num_valid`` and ``num_nonfinite`` (from
+    ``means``), ``threshold`` (the k-th largest key as a float, NaN when nothing is selected), ``search_rounds``."""
+    return {
+        "mask": top.mask,
+        "quota": quota,
+        "num_selected": quota,
+        "num_valid": means.num_valid,
+        "num_nonfinite": means.num_nonfinite,
+        "threshold": math.nan if top.threshold is None else key_to_float(top.threshold),
+        "search_rounds": top.rounds,
+    }
 
 
 def _digits(biased: torch.Tensor, shift: int) -> torch.Tensor:

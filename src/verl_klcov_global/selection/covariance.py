@@ -29,7 +29,7 @@ import torch
 
 from .collectives import fixed_point_scale, fixed_point_sums
 
-__all__ = ["CovarianceFigures", "covariance_bound", "local_covariance_sums", "covariance_figures", "NUM_SUMS"]
+__all__ = ["CovarianceFigures", "CovarianceSelection", "covariance_bound", "local_covariance_sums", "covariance_figures", "NUM_SUMS"]
 
 #: int64 numbers per rank: total, total positive, selected, selected positive covariance.
 NUM_SUMS = 4
@@ -48,6 +48,28 @@ class CovarianceFigures:
         named = {"cov_mean": self.mean, "selected_cov_mean": self.selected_mean,
                  "selected_cov_share": self.selected_share}
         return {name: value for name, value in named.items() if not math.isnan(value)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CovarianceSelection:
+    """The fields both covariance selections report (KL-Cov's top-k, Clip-Cov's seeded draw), keyword-only.
+
+    ``mask``: bool, the inputs' shape and device, True where this rank's token is selected. ``quota``: ``k`` over
+    the group; ``num_selected``: tokens selected over the group. ``num_valid``: ``N``, finite tokens under
+    ``response_mask`` over the group; ``num_nonfinite``: masked tokens with a non-finite input, never selected.
+    ``mean_advantage`` / ``mean_log_prob``: the group-wide means the covariance uses. ``search_rounds``: histogram
+    rounds the key search took. ``covariance``: the group-wide :class:`CovarianceFigures` of the selection.
+    """
+
+    mask: torch.Tensor
+    quota: int
+    num_selected: int
+    num_valid: int
+    num_nonfinite: int
+    mean_advantage: float
+    mean_log_prob: float
+    search_rounds: int = 0
+    covariance: CovarianceFigures = CovarianceFigures()
 
 
 def covariance_bound(max_abs_advantage: torch.Tensor, max_abs_log_prob: torch.Tensor) -> torch.Tensor:

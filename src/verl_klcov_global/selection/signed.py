@@ -46,6 +46,15 @@ class SignedSelection:
     num_valid: int
     num_nonfinite: int
 
+    @classmethod
+    def of(cls, mask: torch.Tensor, sets: "SignedSets", k_positive: int, k_negative: int, **statistics: float):
+        """The result of taking ``k_positive`` / ``k_negative`` tokens of ``sets`` into ``mask``; ``statistics`` are the
+        subclass's own fields."""
+        quota = k_positive + k_negative
+        return cls(mask=mask, quota=quota, num_selected=quota, positive_quota=k_positive, negative_quota=k_negative,
+                   positive_candidates=sets.n_positive, negative_candidates=sets.n_negative,
+                   num_valid=sets.means.num_valid, num_nonfinite=sets.means.num_nonfinite, **statistics)
+
     def statistics(self) -> dict[str, float]:
         """The method's own figures (NaN where undefined); each method's selection says which."""
         return {}

@@ -11,40 +11,37 @@ different, equally valid one (e.g. per run of a sweep).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
-from ...entropy_control import EntropyControlSettings
 from ...knob_doc import KnobDoc, knob
 from ...mode_config import (
     DEFAULT_COV_CONTROL_BOUNDS,
+    ClippedModeSettings,
     GlobalModePolicyLossConfig,
-    common_settings,
+    clipped_settings,
     knob_value,
     policy_loss_of,
-    ppo_clip_settings,
 )
 from .selection import validate_clip_cov_ratio, validate_clip_cov_seed, validate_clip_cov_window
 
 
-# Upstream clip_cov's fallbacks when a field is None (verl 0.9.1 core_algos.py ~1790).
-_DEFAULT_CLIP_COV_RATIO = 0.0002
-_DEFAULT_CLIP_COV_LB = 1.0
-_DEFAULT_CLIP_COV_UB = 5.0
+#: Upstream clip_cov's fallbacks when a field is None (verl 0.9.1 core_algos.py ~1790).
+UPSTREAM_FALLBACKS = {"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0}
 DEFAULT_CLIP_COV_SEED = 0
 
 
-@dataclass(frozen=True)
-class ClipCovGlobalSettings:
+@dataclass(frozen=True, kw_only=True)
+class ClipCovGlobalSettings(ClippedModeSettings):
     """Validated knobs of one actor config for ``clip_cov_global``."""
 
     clip_cov_ratio: float
     clip_cov_lb: float
     clip_cov_ub: float
     clip_cov_seed: int
-    clip_ratio_low: float
-    clip_ratio_high: float
-    prepass_layout: str
-    entropy_control: Optional[EntropyControlSettings] = None
+
+
+def _upstream_knob(policy_loss: Any, key: str) -> Any:
+    return knob_value(policy_loss, key, UPSTREAM_FALLBACKS[key])
 
 
 def read_clip_cov_settings(actor_config: Any) -> ClipCovGlobalSettings:
@@ -54,15 +51,14 @@ def read_clip_cov_settings(actor_config: Any) -> ClipCovGlobalSettings:
     each falling back to ``clip_ratio`` when None.
     """
     policy_loss = policy_loss_of(actor_config, "clip_cov_global")
-    lb, ub = validate_clip_cov_window(knob_value(policy_loss, "clip_cov_lb", _DEFAULT_CLIP_COV_LB),
-                                      knob_value(policy_loss, "clip_cov_ub", _DEFAULT_CLIP_COV_UB))
+    lb, ub = validate_clip_cov_window(_upstream_knob(policy_loss, "clip_cov_lb"),
+                                      _upstream_knob(policy_loss, "clip_cov_ub"))
     return ClipCovGlobalSettings(
-        clip_cov_ratio=validate_clip_cov_ratio(knob_value(policy_loss, "clip_cov_ratio", _DEFAULT_CLIP_COV_RATIO)),
+        clip_cov_ratio=validate_clip_cov_ratio(_upstream_knob(policy_loss, "clip_cov_ratio")),
         clip_cov_lb=lb,
         clip_cov_ub=ub,
         clip_cov_seed=validate_clip_cov_seed(knob_value(policy_loss, "clip_cov_seed", DEFAULT_CLIP_COV_SEED)),
-        **ppo_clip_settings(actor_config, dual_clip=False),
-        **common_settings(policy_loss, DEFAULT_COV_CONTROL_BOUNDS),
+        **clipped_settings(actor_config, policy_loss, DEFAULT_COV_CONTROL_BOUNDS, dual_clip=False),
     )
 
 

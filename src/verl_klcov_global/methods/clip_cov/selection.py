@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ...selection.collectives import agree_and_mean, all_reduce, select_largest_keys
-from ...selection.covariance import CovarianceFigures, covariance_bound, covariance_figures, local_covariance_sums
+from ...selection.covariance import CovarianceSelection, covariance_bound, covariance_figures, local_covariance_sums
 from ...selection.keys import MAX_SEED, sequence_hashes, token_keys
 from ...selection.knobs import ACTOR, finite_number, ratio_quota, setting, validate_clip_ratio, validate_ratio
 
@@ -61,35 +61,19 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class ClipCovSelection:
-    """Result of :func:`select_clip_cov_tokens`.
+@dataclass(frozen=True, kw_only=True)
+class ClipCovSelection(CovarianceSelection):
+    """Result of :func:`select_clip_cov_tokens`: the fields of :class:`.covariance.CovarianceSelection` (there
+    ``quota`` is the most tokens to select, ``num_selected`` = ``min(quota, num_candidates)``, a selected token's
+    gradient is cut, ``search_rounds`` is 0 when no draw was needed) and:
 
     Attributes:
-        mask: bool tensor, same shape and device as the inputs; True where this rank's
-            token is selected (its gradient is cut).
-        quota: ``k``, the most tokens to select over the whole group.
         num_candidates: candidates over the group (valid, not PPO-clipped, inside the window).
-        num_selected: tokens selected over the group, ``min(quota, num_candidates)``.
         num_ppo_clipped: valid tokens the PPO objective already clips, over the group.
-        num_valid: ``N`` over the group.
-        num_nonfinite: masked tokens with a non-finite advantage, log-prob or old log-prob.
-        mean_advantage, mean_log_prob: the group-wide means used for the covariance.
-        search_rounds: histogram rounds of the key agreement (0 when no sampling was needed).
-        covariance: the group-wide covariance figures (:mod:`.covariance`) of the selected tokens.
     """
 
-    mask: torch.Tensor
-    quota: int
     num_candidates: int
-    num_selected: int
     num_ppo_clipped: int
-    num_valid: int
-    num_nonfinite: int
-    mean_advantage: float
-    mean_log_prob: float
-    search_rounds: int = 0
-    covariance: CovarianceFigures = CovarianceFigures()
 
     def figures(self) -> dict[str, float]:
         """The scalar figures, for logging (names without a prefix); ``clipped`` = tokens selected. The

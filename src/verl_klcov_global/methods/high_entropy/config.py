@@ -9,17 +9,16 @@ tokens, by current-policy entropy, that keep the PPO-clip loss (0.2 = the 20% hi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
-from ...entropy_control import EntropyControlSettings
 from ...knob_doc import knob
 from ...mode_config import (
     RATIO_OF_MINIBATCH,
+    ClippedModeSettings,
     GlobalModePolicyLossConfig,
-    common_settings,
+    clipped_settings,
     knob_value,
     policy_loss_of,
-    ppo_clip_settings,
 )
 from .selection import validate_entropy_top_ratio
 
@@ -29,17 +28,13 @@ DEFAULT_ENTROPY_TOP_RATIO = 0.2
 DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS = (0.01, 1.0)
 
 
-@dataclass(frozen=True)
-class HighEntropyGlobalSettings:
+@dataclass(frozen=True, kw_only=True)
+class HighEntropyGlobalSettings(ClippedModeSettings):
     """Validated knobs of one actor config for ``high_entropy_global``: the selection's ratio, verl
     ``vanilla``'s clip range and dual-clip bound (read as vanilla reads them), the prepass layout."""
 
     entropy_top_ratio: float
-    clip_ratio_low: float
-    clip_ratio_high: float
     clip_ratio_c: float
-    prepass_layout: str
-    entropy_control: Optional[EntropyControlSettings] = None
 
 
 def read_high_entropy_settings(actor_config: Any) -> HighEntropyGlobalSettings:
@@ -53,8 +48,7 @@ def read_high_entropy_settings(actor_config: Any) -> HighEntropyGlobalSettings:
     return HighEntropyGlobalSettings(
         entropy_top_ratio=validate_entropy_top_ratio(
             knob_value(policy_loss, "entropy_top_ratio", DEFAULT_ENTROPY_TOP_RATIO)),
-        **ppo_clip_settings(actor_config),
-        **common_settings(policy_loss, DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS),
+        **clipped_settings(actor_config, policy_loss, DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS),
     )
 
 

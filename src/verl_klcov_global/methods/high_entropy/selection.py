@@ -53,7 +53,7 @@ from ...selection.collectives import (
     fixed_point_scale,
     fixed_point_sums,
     float_order_keys,
-    key_to_float,
+    largest_selection_fields,
     select_largest_keys,
 )
 from ...selection.knobs import ratio_quota, validate_ratio
@@ -169,14 +169,8 @@ def select_high_entropy_tokens(
     total, chosen = (int(x) for x in sums.tolist())
     scale = fixed_point_scale(maximum, means.num_valid)
     return HighEntropySelection(
-        mask=top.mask,
-        quota=quota,
-        num_selected=quota,
-        num_valid=means.num_valid,
-        num_nonfinite=means.num_nonfinite,
-        threshold=math.nan if top.threshold is None else key_to_float(top.threshold),
+        **largest_selection_fields(top, quota, means),
         entropy_mean=total * scale / means.num_valid if means.num_valid else math.nan,
         selected_entropy_mean=chosen * scale / quota if quota else math.nan,
         selected_entropy_share=chosen / total if total > 0 else math.nan,
-        search_rounds=top.rounds,
     )

@@ -7,14 +7,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
-from ...entropy_control import EntropyControlSettings
 from ...knob_doc import KnobDoc
 from ...mode_config import (
     DEFAULT_COV_CONTROL_BOUNDS,
     RATIO_OF_MINIBATCH,
     GlobalModePolicyLossConfig,
+    ModeSettings,
     common_settings,
     knob_value,
     policy_loss_of,
@@ -23,19 +23,16 @@ from ...selection.knobs import finite_number, setting
 from .selection import validate_kl_cov_ratio
 
 
-# Upstream kl_cov's fallbacks when a field is None (verl 0.9.1 core_algos.py ~1884).
-_DEFAULT_RATIO = 0.0002
-_DEFAULT_COEF = 1.0
+#: Upstream kl_cov's fallbacks when a field is None (verl 0.9.1 core_algos.py ~1884).
+UPSTREAM_FALLBACKS = {"kl_cov_ratio": 0.0002, "ppo_kl_coef": 1.0}
 
 
-@dataclass(frozen=True)
-class KLCovGlobalSettings:
+@dataclass(frozen=True, kw_only=True)
+class KLCovGlobalSettings(ModeSettings):
     """Validated knobs of one actor config."""
 
     kl_cov_ratio: float
     ppo_kl_coef: float
-    prepass_layout: str
-    entropy_control: Optional[EntropyControlSettings] = None
 
 
 def validate_ppo_kl_coef(coef: Any) -> float:
@@ -51,9 +48,10 @@ def validate_ppo_kl_coef(coef: Any) -> float:
 def read_kl_cov_settings(actor_config: Any) -> KLCovGlobalSettings:
     """Validated :class:`KLCovGlobalSettings` from an actor config's ``policy_loss``."""
     policy_loss = policy_loss_of(actor_config, "kl_cov_global")
+    ratio, coef = (knob_value(policy_loss, key, UPSTREAM_FALLBACKS[key]) for key in ("kl_cov_ratio", "ppo_kl_coef"))
     return KLCovGlobalSettings(
-        kl_cov_ratio=validate_kl_cov_ratio(knob_value(policy_loss, "kl_cov_ratio", _DEFAULT_RATIO)),
-        ppo_kl_coef=validate_ppo_kl_coef(knob_value(policy_loss, "ppo_kl_coef", _DEFAULT_COEF)),
+        kl_cov_ratio=validate_kl_cov_ratio(ratio),
+        ppo_kl_coef=validate_ppo_kl_coef(coef),
         **common_settings(policy_loss, DEFAULT_COV_CONTROL_BOUNDS),
     )
 

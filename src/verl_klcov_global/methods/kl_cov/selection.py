@@ -37,51 +37,32 @@ rank without valid tokens.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from ...selection.collectives import agree_and_mean, all_reduce, float_order_keys, key_to_float, select_largest_keys
-from ...selection.covariance import CovarianceFigures, covariance_bound, covariance_figures, local_covariance_sums
+from ...selection.collectives import (
+    agree_and_mean,
+    all_reduce,
+    float_order_keys,
+    largest_selection_fields,
+    select_largest_keys,
+)
+from ...selection.covariance import CovarianceSelection, covariance_bound, covariance_figures, local_covariance_sums
 from ...selection.knobs import ratio_quota, validate_ratio
 
 __all__ = ["KLCovSelection", "select_kl_cov_tokens", "kl_cov_quota", "validate_kl_cov_ratio"]
 
 
-@dataclass(frozen=True)
-class KLCovSelection:
-    """Result of :func:`select_kl_cov_tokens`.
+@dataclass(frozen=True, kw_only=True)
+class KLCovSelection(CovarianceSelection):
+    """Result of :func:`select_kl_cov_tokens`: the fields of :class:`.covariance.CovarianceSelection` (there
+    ``num_selected`` equals ``quota``, and ``search_rounds`` is at most 8) and ``threshold``, the covariance of the
+    last selected token (the k-th largest), ``nan`` when nothing is selected."""
 
-    Attributes:
-        mask: bool tensor, same shape and device as the inputs; True where this
-            rank's token is selected for the KL penalty.
-        quota: ``k``, the number of tokens to select over the whole group.
-        num_selected: tokens selected over the whole group (equals ``quota``).
-        num_valid: ``N``, finite tokens under ``response_mask`` over the group.
-        num_nonfinite: tokens under ``response_mask`` whose advantage or
-            log-prob is NaN/inf, over the group; they are never selected.
-        threshold: covariance of the last selected token (the k-th largest),
-            ``nan`` when nothing is selected.
-        mean_advantage: the group-wide mean of ``A`` used for the covariance.
-        mean_log_prob: the group-wide mean of ``logp`` used for the covariance.
-        search_rounds: histogram rounds the threshold search took (at most 8).
-        covariance: the group-wide covariance figures (:mod:`.covariance`): mean covariance,
-            mean covariance of the selected tokens, their share of the positive covariance.
-    """
-
-    mask: torch.Tensor
-    quota: int
-    num_selected: int
-    num_valid: int
-    num_nonfinite: int
     threshold: float
-    mean_advantage: float
-    mean_log_prob: float
-    search_rounds: int = 0
-    covariance: CovarianceFigures = CovarianceFigures()
 
     def figures(self) -> dict[str, float]:
         """The scalar figures, for logging (names without a prefix).
@@ -156,14 +137,8 @@ def select_kl_cov_tokens(
     sums = all_reduce(local_covariance_sums(cov, means.valid, top.mask, bound, means.num_valid),
                       dist.ReduceOp.SUM, group)
     return KLCovSelection(
-        mask=top.mask,
-        quota=quota,
-        num_selected=quota,
-        num_valid=means.num_valid,
-        num_nonfinite=means.num_nonfinite,
-        threshold=math.nan if top.threshold is None else key_to_float(top.threshold),
+        **largest_selection_fields(top, quota, means),
         mean_advantage=float(mean_a),
         mean_log_prob=float(mean_lp),
-        search_rounds=top.rounds,
         covariance=covariance_figures(sums, bound, means.num_valid, quota),
     )

@@ -13,14 +13,7 @@ from typing import Any
 from verl.workers.config.actor import PolicyLossConfig
 
 from ...knob_doc import knob
-from ...mode_config import (
-    PrepassPolicyLossConfig,
-    common_settings,
-    knob_value,
-    policy_loss_of,
-    ppo_clip_settings,
-    refuse_controller_knobs,
-)
+from ...mode_config import ClippedModeSettings, PrepassPolicyLossConfig, clipped_settings, knob_value, policy_loss_of
 from ...selection.knobs import POLICY_LOSS as POLICY_LOSS_PREFIX, finite_number, setting
 from .selection import validate_lp_reg_ratio
 
@@ -35,8 +28,8 @@ DEFAULT_LP_REG_POS_RATIO = 0.0
 DEFAULT_LP_REG_KL_COEF = 1.0
 
 
-@dataclass(frozen=True)
-class LpRegGlobalSettings:
+@dataclass(frozen=True, kw_only=True)
+class LpRegGlobalSettings(ClippedModeSettings):
     """Validated ``lp_reg_global`` settings (:func:`read_lp_reg_settings`).
 
     ``neg_ratio`` / ``pos_ratio``: rho- / rho+ (fractions of each advantage sign's valid tokens of the optimizer
@@ -47,10 +40,7 @@ class LpRegGlobalSettings:
     pos_ratio: float
     min_p: float
     kl_coef: float
-    clip_ratio_low: float
-    clip_ratio_high: float
     clip_ratio_c: float
-    prepass_layout: str
 
 
 def validate_lp_reg_min_p(value: Any) -> float:
@@ -106,12 +96,11 @@ def validate_lp_reg_knobs(policy_loss: Any) -> dict[str, float]:
 def read_lp_reg_settings(actor_config: Any) -> LpRegGlobalSettings:
     """Validated :class:`LpRegGlobalSettings` from an actor config (its ``policy_loss``; the PPO clip knobs read as
     verl ``vanilla`` reads them). The plugin's entropy controller does not apply (its keys are refused)."""
-    policy_loss = policy_loss_of(actor_config, "lp_reg_global")
-    refuse_controller_knobs(policy_loss, "lp_reg_global", "it has no ratio whose size moves entropy one way")
+    policy_loss = policy_loss_of(actor_config, "lp_reg_global",
+                                 no_controller_because="it has no ratio whose size moves entropy one way")
     return LpRegGlobalSettings(
         **validate_lp_reg_knobs(policy_loss),
-        **ppo_clip_settings(actor_config),
-        **common_settings(policy_loss),
+        **clipped_settings(actor_config, policy_loss),
     )
 
 

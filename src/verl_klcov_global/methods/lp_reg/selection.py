@@ -103,9 +103,8 @@ def select_lp_reg_tokens(
     """Select ``L-`` (and, with ``pos_ratio > 0``, ``L+``) over the whole group (module docstring).
 
     Args:
-        log_probs: (batch, response_len) current-policy log-probs of the response tokens (any floating dtype).
-        advantages: same shape, the advantage of each token (GRPO: the sequence's, broadcast).
-        response_mask: same shape, nonzero at real response tokens.
+        log_probs, advantages, response_mask: (batch, response_len) current-policy log-probs, advantages and the
+            real-response-token mask, as :func:`verl_klcov_global.selection.signed.split_by_sign` reads them.
         neg_ratio: ``rho-``, a fraction in [0, 1]; ``pos_ratio``: ``rho+``, the same (0: off).
         group: the data-parallel group (rank r holds the r-th contiguous block of sequences), or None. Every rank
             must call this with the same ratios (ranks that disagree all raise).
@@ -121,10 +120,8 @@ def select_lp_reg_tokens(
     mask = take_largest(float_order_keys(-log_prob), sets, k_positive, k_negative, group)
     total, chosen, scale = group_sums(log_prob, mask, sets, group)
     num_valid, quota = sets.means.num_valid, k_negative + k_positive
-    return LpRegSelection(
-        mask=mask, quota=quota, num_selected=quota, negative_quota=k_negative, positive_quota=k_positive,
-        negative_candidates=sets.n_negative, positive_candidates=sets.n_positive, num_valid=num_valid,
-        num_nonfinite=sets.means.num_nonfinite,
+    return LpRegSelection.of(
+        mask, sets, k_positive, k_negative,
         log_prob_mean=total * scale / num_valid if num_valid else math.nan,
         selected_log_prob_mean=chosen * scale / quota if quota else math.nan,
     )

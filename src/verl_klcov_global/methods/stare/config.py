@@ -13,14 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ...knob_doc import knob
-from ...mode_config import (
-    PrepassPolicyLossConfig,
-    common_settings,
-    knob_value,
-    policy_loss_of,
-    ppo_clip_settings,
-    refuse_controller_knobs,
-)
+from ...mode_config import ClippedModeSettings, PrepassPolicyLossConfig, clipped_settings, knob_value, policy_loss_of
 from ...selection.knobs import POLICY_LOSS as POLICY_LOSS_PREFIX, finite_number, setting
 from .selection import validate_stare_top_ratio
 
@@ -46,8 +39,8 @@ DEFAULT_STARE_M_MIN = 0.5
 STARE_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
 
-@dataclass(frozen=True)
-class StareGlobalSettings:
+@dataclass(frozen=True, kw_only=True)
+class StareGlobalSettings(ClippedModeSettings):
     """Validated knobs of one actor config for ``stare_global``: the selection (``stare_top_ratio``, the variant),
     the weights and their gate and schedule (:class:`verl_klcov_global.stare_control.StareSchedule`), verl
     ``vanilla``'s clip range and dual-clip bound, the prepass layout.
@@ -65,10 +58,7 @@ class StareGlobalSettings:
     alpha: float
     w_max: float
     m_min: float
-    clip_ratio_low: float
-    clip_ratio_high: float
     clip_ratio_c: float
-    prepass_layout: str
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: Optional[float] = None
     gate_on: bool = True
@@ -151,17 +141,16 @@ def validate_stare_agg_mode(loss_agg_mode: Any, loss_scale_factor: Any) -> None:
 def read_stare_settings(actor_config: Any) -> StareGlobalSettings:
     """Validated :class:`StareGlobalSettings` from an actor config (its ``policy_loss``, PPO clip knobs read as verl
     ``vanilla`` reads them, and ``loss_agg_mode`` / ``loss_scale_factor``, which the gate's entropy follows)."""
-    policy_loss = policy_loss_of(actor_config, "stare_global")
-    refuse_controller_knobs(policy_loss, "stare_global", "STARE brings its own entropy feedback (its gate "
-                            "stare_target_entropy and the adaptive W/M), and a second loop on the same entropy would "
-                            f"fight it; set {POLICY_LOSS_PREFIX}stare_target_entropy (and stare_adaptive) instead")
+    policy_loss = policy_loss_of(actor_config, "stare_global", no_controller_because=(
+        "STARE brings its own entropy feedback (its gate stare_target_entropy and the adaptive W/M), and a second "
+        f"loop on the same entropy would fight it; set {POLICY_LOSS_PREFIX}stare_target_entropy (and stare_adaptive) "
+        "instead"))
     loss_agg_mode = knob_value(actor_config, "loss_agg_mode", "token-mean")
     loss_scale_factor = knob_value(actor_config, "loss_scale_factor", None)
     validate_stare_agg_mode(loss_agg_mode, loss_scale_factor)
     return StareGlobalSettings(
         **validate_stare_knobs(policy_loss),
-        **ppo_clip_settings(actor_config),
-        **common_settings(policy_loss),
+        **clipped_settings(actor_config, policy_loss),
         loss_agg_mode=loss_agg_mode,
         loss_scale_factor=None if loss_scale_factor is None else float(loss_scale_factor),
     )

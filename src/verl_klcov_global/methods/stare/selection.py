@@ -92,9 +92,8 @@ def select_stare_tokens(
     """Select ``L+`` (and, with ``with_negative``, ``L-``) over the whole group (module docstring).
 
     Args:
-        log_probs: (batch, response_len) current-policy log-probs of the response tokens (any floating dtype).
-        advantages: same shape, the advantage of each token (GRPO: the sequence's, broadcast).
-        response_mask: same shape, nonzero at real response tokens.
+        log_probs, advantages, response_mask: (batch, response_len) current-policy log-probs, advantages and the
+            real-response-token mask, as :func:`verl_klcov_global.selection.signed.split_by_sign` reads them.
         top_ratio: ``P``, a fraction in [0, 1].
         with_negative: also take ``L-`` (STARE's variant C2).
         group: the data-parallel group (rank r holds the r-th contiguous block of sequences), or None. Every rank
@@ -108,11 +107,9 @@ def select_stare_tokens(
     k_negative = stare_quota(sets.n_negative, ratio) if with_negative else 0
     mask = take_largest(float_order_keys(surprisal), sets, k_positive, k_negative, group)
     total, chosen, scale = group_sums(surprisal, mask, sets, group)
-    num_valid, quota = sets.means.num_valid, k_positive + k_negative
-    return StareSelection(
-        mask=mask, quota=quota, num_selected=quota, positive_quota=k_positive, negative_quota=k_negative,
-        positive_candidates=sets.n_positive, negative_candidates=sets.n_negative, num_valid=num_valid,
-        num_nonfinite=sets.means.num_nonfinite,
+    num_valid = sets.means.num_valid
+    return StareSelection.of(
+        mask, sets, k_positive, k_negative,
         surprisal_mean=total * scale / num_valid if num_valid else math.nan,
         selected_surprisal_share=chosen / total if total > 0 else math.nan,
     )
