@@ -6,12 +6,11 @@ trainer loop in-process on CPU (:mod:`.local_trainer`), on responses it samples 
 template, KV cache, temperature 1, each row stopped at EOS) for the prompts "Repeat this number: N", rewarded 1/0
 by whether the response's last integer is N (the model gets about a third right at the start, so GRPO groups have
 reward variance; it gets 3% of two-digit sums, docs/real_model_entropy.json). It is a divergence study, not a
-learning result: a few steps, one seed.
+learning result: a few steps, one seed. The entropy floor's evidence on SmolLM2 is a separate study on this
+harness, :mod:`experiments.entropy_floor`.
 
 The runs, each at ``ppo_micro_batch_size_per_gpu`` 1 and 4, with the same seed (same initial weights, prompts and
-sampling seeds): ``vanilla``, upstream ``kl_cov`` and the plugin's ``kl_cov_global``; then one run of the shipped
-entropy controller (``kl_cov_global`` at micro-batch 4, the default law and bounds, the target 0.7x vanilla's
-step-1 entropy, which every run shares: step 1 samples from the same initial weights).
+sampling seeds): ``vanilla``, upstream ``kl_cov`` and the plugin's ``kl_cov_global``.
 
 Knobs, fixed before the runs (:data:`BASE`): 4 prompts x 4 responses a step, minibatches of 2 prompts (two
 optimizer steps a step), one PPO epoch; prompts of at most 40 tokens (the chat template's system prompt included),
@@ -30,8 +29,7 @@ optimizer step (a global mode: its selection's count, and a digest of its mask; 
 summed, counted by a wrapper around verl's registered ``kl_cov`` loss); for each pair (micro-batch 1 vs 4): the
 largest |delta theta| after every step and the entropy difference, as a ratio to vanilla's pair (the float noise
 of a different summation order). A global pair passes when its rollouts and masks are identical and its
-differences stay within :data:`NOISE_FACTOR` x vanilla's; an upstream pair is expected to part. The controller:
-the median and largest |delta ln r| between consecutive optimizer steps, the steps at a bound, and |H - target|.
+differences stay within :data:`NOISE_FACTOR` x vanilla's; an upstream pair is expected to part.
 
 Resumable: the JSON is rewritten after every run, a rerun with the same ``--json`` skips the runs it holds, and
 each run's weight versions wait in ``<json>.weights/`` (0.6 GB each, in fp32) until its pair is compared, then
@@ -45,7 +43,6 @@ import hashlib
 import math
 import os
 import shutil
-import statistics
 import sys
 import time
 from dataclasses import replace
@@ -68,8 +65,6 @@ BASE = RunConfig(loss_mode="vanilla", prompts_per_step=4, responses_per_prompt=4
                  ppo_kl_coef=1.0)
 MODES = ("vanilla", "kl_cov", "kl_cov_global")
 MICRO_BATCH_SIZES = (1, 4)
-CONTROLLED_MODE, CONTROLLED_SIZE, TARGET_FACTOR = "kl_cov_global", 4, 0.7
-CONTROLLED_KEY = f"{CONTROLLED_MODE}/target/mbs{CONTROLLED_SIZE}"
 #: A global pair may differ by at most this many times vanilla's pair.
 NOISE_FACTOR = 10.0
 DEFAULT_STEPS = 16
@@ -81,18 +76,10 @@ def run_key(mode: str, size: int) -> str:
     return f"{mode}/mbs{size}"
 
 
-def planned_runs(steps: int, target: Optional[float] = None) -> tuple[list[dict], list[dict]]:
-    """(first, second): the runs before and after vanilla's step-1 entropy is known. First: vanilla and the global
-    mode at micro-batch 4 (similar costs, so the two jobs finish together); second: the rest, and the controlled run
-    once ``target`` is given."""
-    items = [dict(key=run_key(m, b), loss_mode=m, micro_batch_size=b, steps=steps, entropy_target=None)
-             for m in MODES for b in MICRO_BATCH_SIZES]
-    first = [i for i in items if i["micro_batch_size"] == 4 and i["loss_mode"] != "kl_cov"]
-    second = [i for i in items if i not in first]
-    if target is not None:
-        second.append(dict(key=CONTROLLED_KEY, loss_mode=CONTROLLED_MODE, micro_batch_size=CONTROLLED_SIZE,
-                           steps=steps, entropy_target=target, paired=False))
-    return first, second
+def planned_runs(steps: int) -> list[dict]:
+    """The study's runs: every mode at every micro-batch size, no entropy target."""
+    return [dict(key=run_key(m, b), loss_mode=m, micro_batch_size=b, steps=steps, entropy_target=None)
+            for m in MODES for b in MICRO_BATCH_SIZES]
 
 
 def run_config(item: dict, base: RunConfig = BASE) -> RunConfig:
@@ -103,8 +90,7 @@ def run_config(item: dict, base: RunConfig = BASE) -> RunConfig:
 def study_settings(steps: int) -> dict:
     return {"base": config_fields(replace(BASE, steps=steps)), "modes": list(MODES),
             "micro_batch_sizes": list(MICRO_BATCH_SIZES), "log_prob_follows_training": True,
-            "controller": {"mode": CONTROLLED_MODE, "micro_batch_size": CONTROLLED_SIZE,
-                           "target_factor": TARGET_FACTOR}, "task": "repeat_number", "noise_factor": NOISE_FACTOR}
+            "task": "repeat_number", "noise_factor": NOISE_FACTOR}
 
 
 # -- one run (in a job process) ---------------------------------------------------------------------------
@@ -275,31 +261,8 @@ def verdicts(study: dict) -> dict:
     return out
 
 
-def controller_figures(study: dict) -> Optional[dict]:
-    """The controlled run's law in action (see the module docstring), or None before it ran."""
-    run = study["runs"].get(CONTROLLED_KEY)
-    if run is None:
-        return None
-    from verl_klcov_global.config import DEFAULT_COV_CONTROL_BOUNDS
-
-    low, high = DEFAULT_COV_CONTROL_BOUNDS
-    ratios = [s["kl_cov_ratio_in_use"] for s in run["optimizer_steps"]]
-    steps_log = [abs(math.log(b) - math.log(a)) for a, b in zip(ratios, ratios[1:])]
-    measured = [s["entropy_measured"] for s in run["optimizer_steps"]]
-    target = run["entropy_target"]
-    entropy = run["metrics"][ENTROPY]
-    return {"target": target, "bounds": [low, high], "ratio_in_use": ratios, "entropy_measured": measured,
-            "median_abs_dlnr": statistics.median(steps_log) if steps_log else None,
-            "max_abs_dlnr": max(steps_log) if steps_log else None,
-            "steps_at_lower_bound": sum(r <= low * (1 + 1e-9) for r in ratios),
-            "steps_at_upper_bound": sum(r >= high * (1 - 1e-9) for r in ratios), "optimizer_steps": len(ratios),
-            "abs_error_per_step": [abs(h - target) for h in entropy],
-            "abs_error_last": abs(entropy[-1] - target), "entropy_vanilla": study["runs"][run_key("vanilla", 4)][
-                "metrics"][ENTROPY]}
-
-
 def summarize(study: dict) -> dict:
-    return {"verdicts": verdicts(study), "controller": controller_figures(study)}
+    return {"verdicts": verdicts(study)}
 
 
 # -- the report ---------------------------------------------------------------------------------------------
@@ -335,42 +298,30 @@ def format_report(study: dict) -> str:
     for mode, v in summary["verdicts"].items():
         lines.append(f"  {mode}: {'OK' if v['ok'] else 'NOT AS EXPECTED'} ({v['expected']}): parameters "
                      f"{v['params_ratio']:.3g}x, entropy {v['entropy_ratio']:.3g}x vanilla's pair")
-    control = summary.get("controller")
-    if control:
-        lines.append(f"controller ({CONTROLLED_MODE}, micro-batch {CONTROLLED_SIZE}, target {control['target']:.3f} = "
-                     f"{TARGET_FACTOR}x vanilla's step-1 entropy, bounds {control['bounds']}): median |delta ln r| "
-                     f"{control['median_abs_dlnr']:.3g}, largest {control['max_abs_dlnr']:.3g} over "
-                     f"{control['optimizer_steps']} optimizer steps; at the lower bound {control['steps_at_lower_bound']}, "
-                     f"at the upper {control['steps_at_upper_bound']}; |H - target| at the last step "
-                     f"{control['abs_error_last']:.3f}")
-        lines.append("  ratio in use per optimizer step: " + " ".join(f"{r:.2g}" for r in control["ratio_in_use"]))
     if "seconds" in study:
         lines.append(f"study time {study['seconds']:.0f} s with {study.get('jobs', '?')} job(s)")
     return "\n".join(lines)
 
 
 def plot(study: dict, path: str) -> None:
-    """2 x 2: entropy and reward per step of every run (micro-batch 1 solid, 4 dashed; the controlled run and its
-    target in green), each pair's max |delta theta| per step (log; vanilla's pair is the floor), the controller's
-    ratio per optimizer step (log) between its bounds."""
+    """2 x 2: entropy and reward per step of every run (micro-batch 1 solid, 4 dashed), each pair's max |delta theta|
+    per step (log; vanilla's pair is the floor), the tokens each KL-Cov run selects per optimizer step."""
     plt = load_pyplot()
     runs, pairs = study["runs"], study.get("pairs", {})
-    summary = study.get("summary") or summarize(study)
     colors = {"vanilla": "0.45", "kl_cov": "tab:red", "kl_cov_global": "tab:blue"}
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
     for key, run in runs.items():
-        controlled = run["entropy_target"] is not None
-        color = "tab:green" if controlled else colors[run["loss_mode"]]
-        style = "-" if run["micro_batch_size"] == 1 else "--"
-        label = f"{run['loss_mode']} + controller, micro-batch 4" if controlled else \
-            f"{run['loss_mode']}, micro-batch {run['micro_batch_size']}"
+        style, marker = ("-", "o") if run["micro_batch_size"] == 1 else ("--", "x")
+        label = f"{run['loss_mode']}, micro-batch {run['micro_batch_size']}"
         for ax, name in ((axes[0][0], ENTROPY), (axes[0][1], REWARD)):
             ys = run["metrics"][name]
-            ax.plot(range(1, len(ys) + 1), ys, color=color, ls=style, marker="o" if style == "-" else "x", ms=4,
+            ax.plot(range(1, len(ys) + 1), ys, color=colors[run["loss_mode"]], ls=style, marker=marker, ms=4,
                     label=label)
-    control = summary.get("controller")
-    if control:
-        axes[0][0].axhline(control["target"], color="tab:green", lw=0.8, ls=":", label="controller's target")
+        ys = [step["selected"] for step in run["optimizer_steps"]] if "optimizer_steps" in run else \
+            run.get("upstream_selected")
+        if ys:
+            axes[1][1].plot(range(1, len(ys) + 1), ys, color=colors[run["loss_mode"]], ls=style, marker=marker, ms=4,
+                            label=label)
     axes[0][0].set_title("verl's actor/entropy (nats per response token)")
     axes[0][1].set_title("mean reward (1 = the number repeated)")
     axes[0][0].legend(fontsize=7)
@@ -383,15 +334,10 @@ def plot(study: dict, path: str) -> None:
     ax.set_title("micro-batch 1 vs 4: max |delta theta| after each step")
     ax.legend(fontsize=8)
     ax = axes[1][1]
-    if control:
-        ratios = control["ratio_in_use"]
-        ax.plot(range(1, len(ratios) + 1), ratios, color="tab:green", marker="o", ms=4, label="kl_cov_ratio in use")
-        for bound in control["bounds"]:
-            ax.axhline(bound, color="0.5", lw=0.8, ls=":")
-        ax.set_yscale("log")
-        ax.legend(fontsize=8)
-    ax.set_title("the controller's ratio per optimizer step (bounds dotted)")
+    ax.set_title("tokens selected per optimizer step\n(kl_cov: its quota per micro-batch, summed)", fontsize=10)
     ax.set_xlabel("optimizer step")
+    if ax.lines:
+        ax.legend(fontsize=8)
     for a in (axes[0][0], axes[0][1], axes[1][0]):
         a.set_xlabel("trainer step")
     for a in axes.flat:
@@ -444,14 +390,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.makedirs(weights_root, exist_ok=True)
     study = open_study(study_settings(args.steps), args.json)
     started = time.perf_counter()
-    first, _ = planned_runs(args.steps)
-    common = dict(key_of=lambda item: item["key"], cost=_cost, work=_work(weights_root, model_path),
-                  describe=_describe, jobs=args.jobs, json_path=args.json,
-                  progress=lambda message: print(message, flush=True), prefix="real_divergence_")
-    run_pending(first, study, **common)
-    target = TARGET_FACTOR * study["runs"][run_key("vanilla", 4)]["metrics"][ENTROPY][0]
-    _, second = planned_runs(args.steps, target)
-    run_pending(second, study, **common)
+    run_pending(planned_runs(args.steps), study, key_of=lambda item: item["key"], cost=_cost,
+                work=_work(weights_root, model_path), describe=_describe, jobs=args.jobs, json_path=args.json,
+                progress=lambda message: print(message, flush=True), prefix="real_divergence_")
     compare_pairs(study, weights_root)
     if not os.listdir(weights_root):
         os.rmdir(weights_root)

@@ -18,7 +18,7 @@ checked on figures below; its measurement is the study's, on SmolLM2.
 
 from __future__ import annotations
 
-import math
+import json
 import os
 from dataclasses import replace
 
@@ -26,29 +26,14 @@ import pytest
 
 from experiments import real_divergence as study_module
 from experiments.real_divergence import (
-    CONTROLLED_KEY, ENTROPY, MICRO_BATCH_SIZES, MODES, REWARD, compare_pairs, controller_figures, format_report,
-    planned_runs, run_key, run_one, verdicts,
+    ENTROPY, MICRO_BATCH_SIZES, MODES, REWARD, compare_pairs, format_report, planned_runs, run_key, run_one,
+    study_settings, verdicts,
 )
 
 
-def _run(key, mode, size, entropy, *, target=None, steps=None, **extra):
-    return {"key": key, "loss_mode": mode, "micro_batch_size": size, "entropy_target": target, "seconds": 1.0,
-            "metrics": {ENTROPY: entropy, REWARD: [0.5] * len(entropy)}, "rollout_digest": ["a"] * len(entropy),
-            **({"optimizer_steps": steps} if steps is not None else {}), **extra}
-
-
-def test_the_controller_figures_read_the_ratio_per_optimizer_step():
-    ratios = [0.02, 0.04, 0.05, 0.05, 1e-5]
-    steps = [{"kl_cov_ratio_in_use": r, "entropy_measured": 2.0, "selected": 1.0, "mask_sha": "x"} for r in ratios]
-    study = {"runs": {run_key("vanilla", 4): _run("v", "vanilla", 4, [3.0, 2.5]),
-                      CONTROLLED_KEY: _run(CONTROLLED_KEY, "kl_cov_global", 4, [3.0, 2.4], target=2.1, steps=steps)}}
-    figures = controller_figures(study)
-    moves = sorted([math.log(2), math.log(1.25), 0.0, math.log(0.05 / 1e-5)])
-    assert figures["median_abs_dlnr"] == pytest.approx((moves[1] + moves[2]) / 2)
-    assert figures["max_abs_dlnr"] == pytest.approx(moves[-1])
-    assert (figures["steps_at_upper_bound"], figures["steps_at_lower_bound"]) == (2, 1)
-    assert figures["abs_error_last"] == pytest.approx(0.3)
-    assert controller_figures({"runs": {}}) is None
+def _run(key, mode, size, entropy):
+    return {"key": key, "loss_mode": mode, "micro_batch_size": size, "entropy_target": None, "seconds": 1.0,
+            "metrics": {ENTROPY: entropy, REWARD: [0.5] * len(entropy)}, "rollout_digest": ["a"] * len(entropy)}
 
 
 def test_a_global_pair_passes_only_with_identical_masks_and_rollouts():
@@ -64,14 +49,24 @@ def test_a_global_pair_passes_only_with_identical_masks_and_rollouts():
     assert not verdicts(study)["kl_cov_global"]["ok"]
 
 
-def test_the_controlled_run_waits_for_vanilla():
-    first, second = planned_runs(3)
-    assert {i["key"] for i in first} == {"vanilla/mbs4", "kl_cov_global/mbs4"}
-    assert CONTROLLED_KEY not in {i["key"] for i in second} and len(first) + len(second) == 6
-    _, second = planned_runs(3, target=2.0)
-    (controlled,) = [i for i in second if i["key"] == CONTROLLED_KEY]
-    assert controlled["entropy_target"] == 2.0 and controlled["micro_batch_size"] == 4
-    assert not controlled["paired"]  # no pair: its weight versions are not written
+def test_the_study_plans_every_mode_at_both_sizes_and_no_controlled_run():
+    items = planned_runs(3)
+    assert [i["key"] for i in items] == [run_key(m, b) for m in MODES for b in MICRO_BATCH_SIZES]
+    assert len(items) == 6 and all(i["entropy_target"] is None and i["steps"] == 3 for i in items)
+    assert all(i.get("paired", True) for i in items)  # each one's weight versions are written for its pair
+    settings = study_settings(3)
+    assert "controller" not in settings and settings["base"]["steps"] == 3
+
+
+def test_the_shipped_json_holds_the_planned_runs_under_the_current_settings():
+    """docs/real_divergence.json: the six runs, settings a rerun with its --json would accept (resumed_from)."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "real_divergence.json")) as f:
+        study = json.load(f)
+    steps = study["settings"]["base"]["steps"]
+    assert study["settings"] == json.loads(json.dumps(study_settings(steps)))
+    assert set(study["runs"]) == {i["key"] for i in planned_runs(steps)} and set(study["pairs"]) == set(MODES)
+    assert set(study["summary"]) == {"verdicts"}
+    assert "kl_cov_global: OK" in format_report(study)
 
 
 @pytest.mark.slow
@@ -79,9 +74,8 @@ def test_two_steps_on_the_tiny_model(tiny_model_path, tmp_path):
     """The six runs of the study (2 steps each) on the tiny model, compared as the study compares them."""
     base = replace(study_module.BASE, max_prompt_length=24, max_response_length=6)
     weights_root, work_root = str(tmp_path / "weights"), str(tmp_path / "work")
-    first, second = planned_runs(2)
     study = {"runs": {}}
-    for item in first + second:
+    for item in planned_runs(2):
         study["runs"][item["key"]] = run_one(item, model_path=tiny_model_path, weights_root=weights_root,
                                              work_root=work_root, base=base)
     assert all(run["weight_versions"] == 3 for run in study["runs"].values())
