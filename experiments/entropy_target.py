@@ -1,35 +1,31 @@
-"""Entropy held on target: the entropy controller on the learning miniature.
+"""The entropy floor on the learning miniature: the controller's law, for each mode, before any real model.
 
 ``python -m experiments.entropy_target --png docs/entropy_target_cpu.png --json docs/entropy_target_cpu.json``
 runs the learning miniature of :mod:`.learning` (verl's trainer loop in-process, policy-sampled GRPO on a
 64-id tiny Qwen2 that learns from scratch, CPU, fp32, 40 steps of 4 optimizer steps) for each global mode
-with the entropy controller on, at two targets and at micro-batch sizes 1 and 4, plus ``vanilla`` at both
+with the entropy floor on, at two targets and at micro-batch sizes 1 and 4, plus ``vanilla`` at both
 sizes (its float noise between the sizes is the floor the controlled pairs are compared with). The
 fixed-knob runs of the same miniature (:mod:`.learning`, ``docs/learning_cpu.json``: the same code path
-with the controller off, which is 0.4.1's bit for bit) are drawn beside them, and so is the knob's authority:
-KL-Cov and Clip-Cov with the ratio fixed at the controller's upper bound from the first step (micro-batch
-size 4), the strongest the controller could run them.
+with the controller off) are drawn beside them, and so is the knob's authority: KL-Cov and Clip-Cov with the
+ratio fixed at the controller's upper bound from the first step (micro-batch size 4), the strongest the
+controller could run them.
 
 Settings (:data:`CONTROL`), fixed before the runs: the targets 1.5 and 3.0 nats (the miniature starts at
-ln 64 = 4.16 and vanilla collapses to about 0.2); the product's default gains (``ki`` 0.1, ``kp`` 10); bounds
-[0.001, 1] for every mode, since the miniature's knobs live at its own scale (a minibatch of 256 tokens: its
-fixed-knob runs use ratio 0.1, and 1/256 = 0.004 is the quota floor); the starting values are the fixed-knob
-runs' knobs (``kl_cov_ratio`` 0.1, ``clip_cov_ratio`` 0.1 with the window (0, 5), ``entropy_top_ratio`` 0.2);
-and, new in this third attempt, the prediction: ``entropy_control_horizon`` 40 optimizer steps (10 trainer
-steps: vanilla's collapse from 3.7 to 1.5 nats takes about 10) with the trend over ``entropy_control_window``
-8 optimizer steps (2 trainer steps of 2 minibatches x 2 epochs, so the trend compares like with like).
+ln 64 = 4.16 and vanilla collapses to about 0.2); the product's floor-law defaults (``kp`` 10, ``ki`` 1, a
+horizon of 8 optimizer steps over a window of 4, hysteresis 0.1); bounds [0.001, 1] for every mode, since the
+miniature's knobs live at its own scale (a minibatch of 256 tokens: its fixed-knob runs use ratio 0.1, and
+1/256 = 0.004 is the quota floor); the users' ratios, where the floor law starts and which it never goes below,
+are the fixed-knob runs' knobs (``kl_cov_ratio`` 0.1, ``clip_cov_ratio`` 0.1 with the window (0, 5),
+``entropy_top_ratio`` 0.2). The defaults were set here, before the SmolLM2 study (:mod:`.entropy_floor`).
 
-The attempts. The first (``ki`` 0.05, ``kp`` 2, anti-wind-up on the integral alone;
-``docs/entropy_target_cpu_attempt1.json``) and the second (``ki`` 0.1, ``kp`` 10, anti-wind-up on the ratio in
-use; ``docs/entropy_target_cpu_attempt2.json``) held no target of 3.0: their law read the measured entropy,
-so it kept the method at its weakest while entropy was above the target, and these methods slow a collapse
-far more than they reverse one. The horizon and window were chosen from those two attempts' curves before
-this attempt's runs, and not after them.
+Earlier attempts, with 0.8.0's two-sided law (it also weakened the method while the entropy was above the
+target): ``docs/entropy_target_cpu_attempt1.json`` (``ki`` 0.05, ``kp`` 2), ``..._attempt2.json`` (``ki`` 0.1,
+``kp`` 10) and ``..._attempt3.json`` (``ki`` 0.1, ``kp`` 10, a horizon of 40 over a window of 8).
 
 Reported per mode x target x micro-batch size: the mean |entropy - target| over the last 10 steps, the first
 step from which the entropy stays within 0.2 nats of the target (or never), the final reward (mean of the last
 5 steps) next to the fixed-knob run's and vanilla's, the controlled ratio's trajectory (per trainer step, the
-mean of its optimizer steps' ratios in use), and whether the two sizes' curves agree within 10x vanilla's own
+ratio in use at its last optimizer step), and whether the two sizes' curves agree within 10x vanilla's own
 difference (else the first step where they part). Resumable: the JSON is rewritten after every run and a
 rerun with the same ``--json`` skips the runs it holds; ``--from-json`` redraws without running.
 """
@@ -55,8 +51,9 @@ MODES = ("kl_cov_global", "clip_cov_global", "high_entropy_global")
 TARGETS = (1.5, 3.0)
 MICRO_BATCH_SIZES = (1, 4)
 #: The controller's settings of every controlled run (module docstring: why these).
-CONTROL = dict(entropy_control_ki=0.1, entropy_control_kp=10.0, entropy_control_min_ratio=0.001,
-               entropy_control_max_ratio=1.0, entropy_control_horizon=40.0, entropy_control_window=8)
+CONTROL = dict(entropy_control_ki=1.0, entropy_control_kp=10.0, entropy_control_min_ratio=0.001,
+               entropy_control_max_ratio=1.0, entropy_control_horizon=8.0, entropy_control_window=4,
+               entropy_control_hysteresis=0.1)
 KNOBS = {"kl_cov_global": "kl_cov_ratio", "clip_cov_global": "clip_cov_ratio",
          "high_entropy_global": "entropy_top_ratio"}
 LAST_STEPS, BAND, FINAL_STEPS = 10, 0.2, 5

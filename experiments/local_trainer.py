@@ -90,12 +90,13 @@ class RunConfig:
     entropy_top_ratio: float = 0.2
     # The entropy controller of a global mode (None: off); the bounds None: the mode's config-class defaults.
     entropy_target: Optional[float] = None
-    entropy_control_ki: float = 0.1   # the plugin's defaults
+    entropy_control_ki: float = 1.0   # the plugin's defaults (the floor law)
     entropy_control_kp: float = 10.0
     entropy_control_min_ratio: Optional[float] = None
     entropy_control_max_ratio: Optional[float] = None
-    entropy_control_horizon: float = 0.0   # the plugin's defaults: no prediction
-    entropy_control_window: int = 8
+    entropy_control_horizon: float = 8.0
+    entropy_control_window: int = 4
+    entropy_control_hysteresis: float = 0.1
     # A global mode's prepass_layout ("infer", the plugin's default, is not written into the config).
     prepass_layout: str = "infer"
     # rollout.log_prob_micro_batch_size_per_gpu: the micro-batch size of verl's log-prob pass (old_log_probs, the
@@ -254,10 +255,10 @@ def controller_overrides(run: RunConfig) -> list[str]:
     out = [] if run.loss_mode in HIGH_ENTROPY_CONFIGS else [f"{policy}._target_={GLOBAL_CONFIGS[run.loss_mode]}"]
     knobs = {"entropy_target": run.entropy_target, "entropy_control_ki": run.entropy_control_ki,
              "entropy_control_kp": run.entropy_control_kp, "entropy_control_min_ratio": run.entropy_control_min_ratio,
-             "entropy_control_max_ratio": run.entropy_control_max_ratio}
-    if run.entropy_control_horizon:  # written only when set, so runs without it compose as before
-        knobs.update(entropy_control_horizon=run.entropy_control_horizon,
-                     entropy_control_window=run.entropy_control_window)
+             "entropy_control_max_ratio": run.entropy_control_max_ratio,
+             "entropy_control_horizon": run.entropy_control_horizon,
+             "entropy_control_window": run.entropy_control_window,
+             "entropy_control_hysteresis": run.entropy_control_hysteresis}
     return out + [f"+{policy}.{key}={value!r}" for key, value in knobs.items() if value is not None]
 
 

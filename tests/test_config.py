@@ -225,9 +225,11 @@ FIELDS_0_7_0 = {
     "HighEntropyGlobalPolicyLossConfig": dict(loss_mode="high_entropy_global", entropy_top_ratio=0.2,
                                               entropy_control_min_ratio=0.01, entropy_control_max_ratio=1.0),
 }
-COMMON_0_7_0 = dict(prepass_layout="infer", entropy_target=None, entropy_control_ki=0.1, entropy_control_kp=10.0,
-                    entropy_control_min_ratio=1e-05, entropy_control_max_ratio=0.05, entropy_control_horizon=0.0,
-                    entropy_control_window=8)
+#: The common fields; the entropy floor (after 0.8.0) changed the defaults of ki (0.1), horizon (0) and window (8) and added
+#: the hysteresis.
+COMMON_0_7_0 = dict(prepass_layout="infer", entropy_target=None, entropy_control_ki=1.0, entropy_control_kp=10.0,
+                    entropy_control_min_ratio=1e-05, entropy_control_max_ratio=0.05, entropy_control_horizon=8.0,
+                    entropy_control_window=4, entropy_control_hysteresis=0.1)
 
 
 @pytest.mark.parametrize("name", sorted(FIELDS_0_7_0))

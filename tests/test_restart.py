@@ -21,8 +21,9 @@ the end equal the uninterrupted run's at step 2 and step 4. In every step, the r
 included, the first optimizer step reuses verl's own log-prob pass (``prepass_reused`` 0.25).
 
 The controlled run's ratio moves every step (the controller's state, carried in the optimizer's state dict,
-must come back from the checkpoint: a controller started afresh at step 3 would log another
-``kl_cov_ratio_in_use``). It runs with a prediction horizon (4 optimizer steps over a window of 4), so the
+must come back from the checkpoint: a controller started afresh at step 3 would start again from the user's
+``kl_cov_ratio`` and log another ``kl_cov_ratio_in_use``): its floor lies above the entropy, so it strengthens
+KL-Cov from the user's 0.01 at every optimizer step. It runs with a prediction horizon (4 optimizer steps over a window of 4), so the
 state's history of measured entropies must come back too: the prediction acts from step 2 on. Each uninterrupted run also logs every step through verl's real console and
 tensorboard loggers (``trainer_support/restart.py --tracking``): every figure of the mode (the controller's
 included) is printed on the console and read back from the tensorboard event file, with the logged values.
@@ -42,9 +43,10 @@ from .trainer_support.env import REPO_ROOT, subprocess_env
 STEPS = 4
 OPTIMIZER_STEPS_PER_STEP = 4  # RunConfig defaults: 4 prompts / 2 per minibatch x 2 epochs
 PREFIX = {"kl_cov_global": "actor/kl_cov/", "high_entropy_global": "actor/high_entropy/"}
-#: kl_cov_global's run has the entropy controller on (the plugin's gains): the tiny model starts at about 6.22
-#: nats, near ln(vocab size) = 6.24; a target just below keeps the ratio in use above the quota floor.
-ENTROPY_TARGET = {"kl_cov_global": 6.0, "high_entropy_global": None}
+#: kl_cov_global's run has the entropy floor on (the plugin's gains) from kl_cov_ratio 0.01: the tiny model starts
+#: at about 6.22 nats, near ln(vocab size) = 6.238; a floor just below ln(vocab size) lies above it throughout.
+ENTROPY_TARGET = {"kl_cov_global": 6.235, "high_entropy_global": None}
+USER_RATIO = 0.01
 #: ... with a prediction horizon over a window of 4 optimizer steps: the trend's history (the last 4 measured
 #: entropies, in the optimizer's state dict) must come back from step 2's checkpoint too.
 HORIZON = dict(entropy_control_horizon=4.0, entropy_control_window=4)
@@ -74,7 +76,8 @@ def test_a_run_killed_during_step_3_and_resumed_equals_an_uninterrupted_run(tiny
     prefix = PREFIX[loss_mode]
     required = tuple(prefix + name for name in FIGURES[loss_mode]) + VERLS
     common = dict(model=tiny_model_path, steps=STEPS, loss_mode=loss_mode, cwd=REPO_ROOT, env=env,
-                  entropy_target=ENTROPY_TARGET[loss_mode], **(HORIZON if ENTROPY_TARGET[loss_mode] else {}))
+                  entropy_target=ENTROPY_TARGET[loss_mode],
+                  **(dict(HORIZON, kl_cov_ratio=USER_RATIO) if ENTROPY_TARGET[loss_mode] else {}))
     # the uninterrupted run and the run to be killed side by side (one thread each)
     tracking = str(tmp_path / "tensorboard")
     whole = restart.start(work_dir=str(tmp_path / "whole"), out=str(tmp_path / "whole-out"), resume_mode="disable",
@@ -114,8 +117,8 @@ def test_a_run_killed_during_step_3_and_resumed_equals_an_uninterrupted_run(tiny
         assert m[prefix + "prepass_reused"] == 0.25, (m["step"], m[prefix + "prepass_reused"])
     if ENTROPY_TARGET[loss_mode] is not None:  # the controller moved the ratio every step: its state mattered
         in_use = [m[prefix + "kl_cov_ratio_in_use"] for m in stitched]
-        assert all(b < a for a, b in zip(in_use, in_use[1:])), in_use
-        assert all(m[prefix + "entropy_target"] == ENTROPY_TARGET[loss_mode] < m[prefix + "entropy_measured"]
+        assert all(USER_RATIO < a < b for a, b in zip(in_use, in_use[1:])), in_use
+        assert all(m[prefix + "entropy_target"] == ENTROPY_TARGET[loss_mode] > m[prefix + "entropy_measured"]
                    for m in stitched)
         # the prediction: H itself over step 1's 4 optimizer steps (fewer than the window measured), a trend
         # from step 2 on, the resumed step 3 included (its history came back from the checkpoint)

@@ -46,6 +46,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from . import guardrails
+from .entropy_control import check_ratio_within_bounds
 from .mode_config import SUPPORTED_STRATEGIES, unsupported_strategy_message
 from .modes import global_mode_of
 from .install_hint import INSTALL_HINT
@@ -80,7 +81,10 @@ def check_trainer_config(config: DictConfig) -> Optional[str]:
     if mode is None:
         return None
     try:
-        mode.read_settings(actor)
+        settings = mode.read_settings(actor)
+        control = getattr(settings, "entropy_control", None)
+        if control is not None:
+            check_ratio_within_bounds(mode.ratio_knob, getattr(settings, mode.ratio_knob), control)
     except ValueError as error:
         raise TrainerConfigError(f"{MESSAGE_PREFIX}: loss_mode={mode.name}: {error}") from None
     strategy = actor.get("strategy", None)

@@ -1,41 +1,40 @@
-"""Closed-loop entropy control: the law that moves a global mode's strength knob toward an entropy target.
+"""The entropy target as a floor: the law that strengthens a global mode when the entropy is heading below a target.
 
 Pure: tensors and floats in, floats out; nothing here knows verl. The engine (:mod:`.engine.control`) keeps
 the state per engine, runs :func:`measure_entropy` and :func:`decide` before each optimizer step's
 selection, hands the selection the ratio in use, and :func:`settle` after it.
 
-The law, once per optimizer step (``r`` the controlled ratio: ``kl_cov_ratio``, ``clip_cov_ratio`` or
-``entropy_top_ratio``; ``s`` the mode's sign: +1 where a larger ratio keeps entropy higher, -1 where it
-lowers it; ``u`` the integral state, ``ln r``):
+These methods brake a fall of entropy; they do not raise it, and past some strength a method can lower it
+(docs/EVIDENCE.md, KL-Cov on SmolLM2). So the target is a floor, as Skywork-OR1's and TRL's entropy targets are,
+and the user's ratio ``r0`` (``kl_cov_ratio``, ``clip_cov_ratio`` or ``entropy_top_ratio``) is what they asked for:
+the law only ever adds strength to it. ``s`` is the mode's sign (+1 where a larger ratio keeps entropy higher,
+-1 where a smaller one does); the strength ``z = s ln(r / r0)`` is >= 0, 0 at the user's ratio. Once per
+optimizer step:
 
 1. ``H`` = the token mean of the current-policy entropy over the minibatch's valid response tokens on every
    data-parallel rank (exact 64-bit fixed-point sum, :func:`.selection.collectives.agree_and_mean`): the
    same bits for any micro-batch or DP split of the same minibatch and parameters;
-2. the error ``e = (H* - Ĥ) / max(H*, Ĥ)``, in [-1, 1]: the relative gap to the target ``H*``, bounded so
-   that one step moves ``ln r`` by at most ``ki + kp``. ``Ĥ`` is ``H`` itself unless a horizon is set
-   (``entropy_control_horizon`` ``h`` > 0 optimizer steps): then ``Ĥ = H + h * (H - H_{-k}) / k``, the entropy
-   extrapolated ``h`` steps ahead along its mean change over the last ``k`` measured steps (``k`` =
-   ``entropy_control_window``; ``Ĥ = H`` while fewer than ``k`` steps are measured), floored at 0. Why:
-   these methods slow a fall of entropy far more than they reverse one, so a law that reads only ``H``
-   keeps the method weak until the target is reached and then cannot stop the collapse already under way
-   (docs/EVIDENCE.md, the miniature's attempts); the prediction strengthens the method while entropy is
-   still above the target but falling towards it fast, and at rest (no change) it reads ``H``, so the
-   target it holds is the same;
-3. PI in log space (multiplicative in ``r``): ``u' = clamp(u + s * ki * e)``, and the ratio in use this
-   step ``r = exp(clamp(u' + s * kp * e))``, both clamped to ``[ln min_ratio, ln max_ratio]``. The
-   proportional term carries the loop: entropy integrates the knob's effect (the knob sets how fast
-   entropy moves, not where it is), so ``kp`` sets how fast the entropy closes on the target (a
-   first-order approach) and the integral only removes what is left;
-4. after the selection, anti-wind-up by conditional integration (:func:`settle`): the step's integration
-   is undone when the ratio in use already lay at or beyond an edge of the range where the ratio acts and
-   the integration pushed further that way. The range: from ``max(1 / N, min_ratio)`` (``N`` the
-   selection's valid tokens: below ``1 / N`` the quota ``max(1, int(N r))`` is 1 whatever ``r``) to
+2. the prediction ``Ĥ = H + h (H - H_{-k}) / k``: ``H`` extrapolated ``h`` optimizer steps ahead
+   (``entropy_control_horizon``) along its mean change over the last ``k`` measured steps
+   (``entropy_control_window``), floored at 0; ``Ĥ = H`` while fewer than ``k`` steps are measured or with
+   ``h = 0``. A fall is braked before the target is crossed, not after;
+3. the error, with hysteresis ``w`` (``entropy_control_hysteresis``): below the target, the deficit
+   ``e = (H* - Ĥ) / H*`` in (0, 1]; above the band's top ``(1 + w) H*``, the surplus ``e = -(Ĥ - (1 + w) H*) / Ĥ``
+   in (-1, 0); inside ``[H*, (1 + w) H*]``, 0 (the strength holds);
+4. the step: ``z' = clamp(z + clamp(g e, -ln 2, ln 2), 0, z_max)`` with ``g = kp`` on a deficit (how fast it
+   brakes harder) and ``g = ki`` on a surplus (how fast it eases back to the user's ratio); the ratio in use is
+   ``r0 exp(s z')``. So it is never weaker than ``r0``, moves ``ln r`` by at most ln 2 per optimizer step, and
+   reaches at most the bound on its entropy-raising side (``entropy_control_max_ratio`` for ``s = +1``,
+   ``entropy_control_min_ratio`` for ``s = -1``): the authority range, where more strength means more entropy.
+   ``r0`` must lie inside the bounds (:func:`check_ratio_within_bounds`);
+5. after the selection, anti-wind-up (:func:`settle`): a strengthening step is undone when the ratio in use
+   already lay at or beyond the edge of the range where the ratio acts: ``max(1 / N, min_ratio)`` (``N`` the
+   selection's valid tokens: below ``1 / N`` the quota ``max(1, int(N r))`` is 1 whatever ``r``) or
    ``min(reach / N, max_ratio)`` (``reach``: the most tokens the selection can take, ``N``, or Clip-Cov's
-   candidates: beyond it a larger quota selects nothing more). With no valid token or nothing within
-   reach the integral does not move.
+   candidates). With no valid token or nothing within reach the state does not move.
 
-The state (``u``, a step count and, with a horizon, the last ``k`` measured ``H``) is a pure function of the
-steps before it, so a run resumed from a checkpoint that carries it continues bit for bit.
+The state (``ln r`` in use, a step count and, with a horizon, the last ``k`` measured ``H``) is a pure function of
+the steps before it, so a run resumed from a checkpoint that carries it continues bit for bit.
 """
 
 from __future__ import annotations
@@ -51,26 +50,36 @@ from .selection.collectives import agree_and_mean
 from .selection.knobs import POLICY_LOSS, finite_number, setting
 
 __all__ = [
-    "CONTROL_KNOBS", "DEFAULT_WINDOW", "ControlDecision", "ControllerState", "EntropyControlSettings", "clamp_start",
-    "decide", "measure_entropy", "predict_entropy", "relative_error", "settle", "validate_entropy_control",
+    "CONTROL_KNOBS", "DEFAULT_HORIZON", "DEFAULT_HYSTERESIS", "DEFAULT_WINDOW", "MAX_STEP", "ControlDecision",
+    "ControllerState", "EntropyControlSettings", "check_ratio_within_bounds", "decide", "floor_error",
+    "measure_entropy", "predict_entropy", "settle", "validate_entropy_control",
 ]
 
-#: The controller's knobs under ``actor_rollout_ref.actor.policy_loss.`` (every mode's).
-#: The trend's window when a horizon is set and no window is given (optimizer steps; see the config classes).
-DEFAULT_WINDOW = 8
+#: The most one optimizer step moves ``ln r`` (ALF's bound on a step of its entropy coefficient).
+MAX_STEP = math.log(2.0)
+#: The prediction's defaults (optimizer steps): ``Ĥ`` reads the entropy 8 steps ahead along its trend over the last
+#: 4 (fixed on the tiny-model miniature before the SmolLM2 runs; docs/EVIDENCE.md).
+DEFAULT_HORIZON = 8.0
+DEFAULT_WINDOW = 4
+#: The band above the target where the strength holds, as a fraction of the target.
+DEFAULT_HYSTERESIS = 0.1
 
+#: The controller's knobs under ``actor_rollout_ref.actor.policy_loss.`` (every mode's).
 CONTROL_KNOBS = ("entropy_target", "entropy_control_ki", "entropy_control_kp", "entropy_control_min_ratio",
-                 "entropy_control_max_ratio", "entropy_control_horizon", "entropy_control_window")
+                 "entropy_control_max_ratio", "entropy_control_horizon", "entropy_control_window",
+                 "entropy_control_hysteresis")
 
 
 @dataclass(frozen=True)
 class EntropyControlSettings:
     """Validated controller knobs (:func:`validate_entropy_control`).
 
-    ``target``: ``H*``, nats per valid response token; ``ki``, ``kp``: the integral and proportional gains
-    (change of ``ln r`` per optimizer step per unit of error); ``min_ratio`` < ``max_ratio``: the bounds of
-    the controlled ratio, in (0, 1]; ``horizon``: optimizer steps ahead the error reads the entropy
-    extrapolated to (0: the measured entropy itself); ``window``: measured steps its trend is taken over.
+    ``target``: ``H*``, the floor, nats per valid response token; ``kp``: change of ``ln r`` per optimizer step per
+    unit of relative deficit (braking harder), ``ki``: per unit of relative surplus above the band (easing back),
+    each step at most :data:`MAX_STEP`; ``min_ratio`` < ``max_ratio``: the bounds of the controlled ratio in
+    (0, 1], which must hold the user's ratio; ``horizon``: optimizer steps ahead the error reads the entropy
+    extrapolated to (0: the measured entropy); ``window``: measured steps the trend is taken over; ``hysteresis``:
+    the band ``[H*, (1 + hysteresis) H*]`` where the strength holds.
     """
 
     target: float
@@ -78,23 +87,23 @@ class EntropyControlSettings:
     kp: float
     min_ratio: float
     max_ratio: float
-    horizon: float = 0.0
+    horizon: float = DEFAULT_HORIZON
     window: int = DEFAULT_WINDOW
+    hysteresis: float = DEFAULT_HYSTERESIS
 
     def agreed(self) -> dict[str, float]:
         """The knobs every data-parallel rank must hold the same values of (their ``policy_loss`` names)."""
         return dict(zip(CONTROL_KNOBS, (self.target, self.ki, self.kp, self.min_ratio, self.max_ratio,
-                                        self.horizon, float(self.window))))
+                                        self.horizon, float(self.window), self.hysteresis)))
 
 
 @dataclass(frozen=True)
 class ControllerState:
     """What the controller carries from one optimizer step to the next.
 
-    ``knob``: the controlled ratio's name; ``log_ratio``: the integral state ``u = ln r``; ``steps``: optimizer
-    steps controlled so far; ``recent``: with a horizon, the measured ``H`` of the last ``window`` steps that
-    had valid tokens, oldest first (empty without one). A state saved without ``recent`` (0.5.0 to 0.6.0)
-    loads with none: the trend starts again.
+    ``knob``: the controlled ratio's name; ``log_ratio``: ``ln r``, the ratio the last step used (the strength
+    reached); ``steps``: optimizer steps controlled so far; ``recent``: with a horizon, the measured ``H`` of the
+    last ``window`` steps that had valid tokens, oldest first (empty without one).
     """
 
     knob: str
@@ -119,14 +128,15 @@ class ControlDecision:
     """One optimizer step's law (:func:`decide`), before the selection.
 
     ``entropy``: ``H`` (nan without valid tokens); ``num_valid``: the tokens ``H`` averages over the group;
-    ``error``: ``e`` (0 without valid tokens); ``integral``: ``u'``; ``ratio_in_use``: the ratio the step's
-    selection uses; ``predicted``: ``Ĥ`` with a horizon (None without one, or without valid tokens).
+    ``error``: ``e`` (> 0 a deficit, < 0 a surplus above the band, 0 inside it or without valid tokens);
+    ``log_ratio``: ``ln r`` of the ratio in use; ``ratio_in_use``: the ratio the step's selection uses;
+    ``predicted``: ``Ĥ`` with a horizon (None without one, or without valid tokens).
     """
 
     entropy: float
     num_valid: int
     error: float
-    integral: float
+    log_ratio: float
     ratio_in_use: float
     predicted: Optional[float] = None
 
@@ -158,23 +168,25 @@ def _window(value: Any) -> int:
     number = finite_number(value)  # None for bools, strings, NaN and inf
     if number is None or not number.is_integer() or number < 1:
         raise ValueError(f"entropy_control_window must be a whole number of optimizer steps >= 1, got {value!r}; "
-                         + setting("entropy_control_window", "8"))
+                         + setting("entropy_control_window", str(DEFAULT_WINDOW)))
     return int(number)
 
 
-def validate_entropy_control(target: Any, ki: Any, kp: Any, min_ratio: Any, max_ratio: Any, horizon: Any = 0.0,
-                             window: Any = DEFAULT_WINDOW) -> Optional[EntropyControlSettings]:
+def validate_entropy_control(target: Any, ki: Any, kp: Any, min_ratio: Any, max_ratio: Any,
+                             horizon: Any = DEFAULT_HORIZON, window: Any = DEFAULT_WINDOW,
+                             hysteresis: Any = DEFAULT_HYSTERESIS) -> Optional[EntropyControlSettings]:
     """The controller's settings, or None when ``target`` is None (the controller is off).
 
     Raises ``ValueError`` naming the ``policy_loss`` key to change: a target that is not a finite number > 0
-    (booleans and strings are rejected), a negative or non-finite gain, both gains 0 (the knob would never
-    move), bounds outside (0, 1] or ``min_ratio >= max_ratio``. The gains and bounds are checked when the
-    controller is off too, so a typo does not wait for the day it is switched on. ``horizon``: finite, >= 0
-    (optimizer steps); ``window``: a whole number >= 1.
+    (booleans and strings are rejected), a negative or non-finite gain, ``kp`` 0 (the law would never brake),
+    bounds outside (0, 1] or ``min_ratio >= max_ratio``. The gains and bounds are checked when the controller is
+    off too, so a typo does not wait for the day it is switched on. ``horizon``, ``hysteresis``: finite, >= 0;
+    ``window``: a whole number >= 1.
     """
-    ki = _gain(ki, "entropy_control_ki", "0.1")
+    ki = _gain(ki, "entropy_control_ki", "1.0")
     kp = _gain(kp, "entropy_control_kp", "10")
-    horizon = _gain(horizon, "entropy_control_horizon", "40")
+    horizon = _gain(horizon, "entropy_control_horizon", "8")
+    hysteresis = _gain(hysteresis, "entropy_control_hysteresis", "0.1")
     window = _window(window)
     low = _positive_ratio_bound(min_ratio, "entropy_control_min_ratio", "1e-05")
     high = _positive_ratio_bound(max_ratio, "entropy_control_max_ratio", "0.05")
@@ -187,17 +199,22 @@ def validate_entropy_control(target: Any, ki: Any, kp: Any, min_ratio: Any, max_
     if number is None or number <= 0:
         raise ValueError(f"entropy_target must be a finite number of nats > 0 (or null: no controller), got "
                          f"{target!r}; " + setting("entropy_target", "1.5"))
-    if ki == 0 and kp == 0:
-        raise ValueError("entropy_control_ki and entropy_control_kp are both 0: the controller would never move "
-                         f"the knob; {setting('entropy_control_ki', '0.1')}")
+    if kp == 0:
+        raise ValueError("entropy_control_kp is 0: the controller would never strengthen the method below the "
+                         f"target; {setting('entropy_control_kp', '10')}")
     return EntropyControlSettings(target=number, ki=ki, kp=kp, min_ratio=low, max_ratio=high, horizon=horizon,
-                                  window=window)
+                                  window=window, hysteresis=hysteresis)
 
 
-def clamp_start(ratio: float, settings: EntropyControlSettings) -> tuple[float, bool]:
-    """The configured ratio clamped to the bounds (the start of a fresh controller), and whether it moved."""
-    clamped = min(max(ratio, settings.min_ratio), settings.max_ratio)
-    return clamped, clamped != ratio
+def check_ratio_within_bounds(knob: str, ratio: float, settings: EntropyControlSettings) -> None:
+    """ValueError naming the keys when the user's ratio ``knob`` = ``ratio`` lies outside the controller's bounds:
+    the law never goes below what the user asked for, so a ratio beyond a bound has no floor it can keep."""
+    if not settings.min_ratio <= ratio <= settings.max_ratio:
+        raise ValueError(
+            f"{knob}={ratio!r} lies outside the entropy controller's bounds [{settings.min_ratio!r}, "
+            f"{settings.max_ratio!r}] (entropy_control_min_ratio / entropy_control_max_ratio): the controller only "
+            f"ever strengthens the method from your {knob}, within the bounds. Set {POLICY_LOSS}{knob} inside them, "
+            f"or set {POLICY_LOSS}entropy_control_min_ratio / entropy_control_max_ratio so that they hold it")
 
 
 def measure_entropy(entropy: torch.Tensor, response_mask: torch.Tensor, settings: EntropyControlSettings,
@@ -206,7 +223,7 @@ def measure_entropy(entropy: torch.Tensor, response_mask: torch.Tensor, settings
 
     ``entropy``, ``response_mask``: (batch, response_len) of this rank's shard. Valid: in the mask with a
     finite entropy. ``H`` is nan when ``N = 0``. Ranks holding other controller knobs all raise the same
-    ``ValueError``. Exchange: one all-gather of 10 float64 per rank, one all-reduce of 1 int64.
+    ``ValueError``. Exchange: one all-gather of 11 float64 per rank, one all-reduce of 1 int64.
     """
     values = entropy.detach()
     values = values if values.is_floating_point() else values.to(torch.float64)
@@ -214,15 +231,17 @@ def measure_entropy(entropy: torch.Tensor, response_mask: torch.Tensor, settings
     return (float(means.means[0]) if means.num_valid else math.nan), means.num_valid
 
 
-def relative_error(target: float, entropy: float) -> float:
-    """``(H* - H) / max(H*, H)`` in [-1, 1]; 0 when ``H`` is nan (nothing measured)."""
-    if math.isnan(entropy):
+def floor_error(settings: EntropyControlSettings, predicted: Optional[float]) -> float:
+    """``e`` of step 3 (module docstring): the relative deficit below the target in (0, 1], minus the relative
+    surplus above the band's top in (-1, 0), else 0 (inside the band, or nothing measured: ``predicted`` None)."""
+    if predicted is None or math.isnan(predicted):
         return 0.0
-    return (target - entropy) / max(target, entropy)
-
-
-def _clamp_log(u: float, settings: EntropyControlSettings) -> float:
-    return min(max(u, math.log(settings.min_ratio)), math.log(settings.max_ratio))
+    target, top = settings.target, settings.target * (1.0 + settings.hysteresis)
+    if predicted < target:
+        return (target - predicted) / target
+    if predicted > top:
+        return -(predicted - top) / predicted
+    return 0.0
 
 
 def predict_entropy(entropy: float, recent: tuple[float, ...], settings: EntropyControlSettings) -> float:
@@ -233,41 +252,51 @@ def predict_entropy(entropy: float, recent: tuple[float, ...], settings: Entropy
     if settings.horizon == 0 or len(recent) < settings.window:
         return entropy
     oldest = recent[-settings.window]
-    return max(0.0, entropy + settings.horizon * (entropy - oldest) / settings.window)  # H >= 0: e stays in [-1, 1]
+    return max(0.0, entropy + settings.horizon * (entropy - oldest) / settings.window)
 
 
-def decide(state: ControllerState, entropy: float, num_valid: int, settings: EntropyControlSettings,
-           sign: int) -> ControlDecision:
-    """Step 2-3 of the law: the integral ``u'`` and the ratio in use, from the measured ``H`` (module docstring)."""
+def _strength_limit(user_ratio: float, settings: EntropyControlSettings, sign: int) -> float:
+    """``z_max``: the strength at the bound on the entropy-raising side."""
+    bound = settings.max_ratio if sign > 0 else settings.min_ratio
+    return max(0.0, sign * (math.log(bound) - math.log(user_ratio)))
+
+
+def decide(state: ControllerState, entropy: float, num_valid: int, settings: EntropyControlSettings, sign: int,
+           user_ratio: float) -> ControlDecision:
+    """Steps 2-4 of the law (module docstring): this step's ratio in use from the measured ``H``, the state and the
+    user's ratio ``r0``. ``sign``: the mode's entropy sign (+1 or -1)."""
     predicted = predict_entropy(entropy, state.recent, settings) if num_valid else None
-    error = relative_error(settings.target, predicted) if predicted is not None else 0.0
-    integral = _clamp_log(state.log_ratio + sign * settings.ki * error, settings)
-    ratio_in_use = math.exp(_clamp_log(integral + sign * settings.kp * error, settings))
-    return ControlDecision(entropy=entropy, num_valid=num_valid, error=error, integral=integral,
-                           ratio_in_use=ratio_in_use, predicted=predicted if settings.horizon else None)
+    error = floor_error(settings, predicted)
+    gain = settings.kp if error > 0 else settings.ki
+    step = max(-MAX_STEP, min(MAX_STEP, gain * error))
+    strength = sign * (state.log_ratio - math.log(user_ratio))
+    strength = min(max(strength + step, 0.0), _strength_limit(user_ratio, settings, sign))
+    log_ratio = math.log(user_ratio) + sign * strength
+    return ControlDecision(entropy=entropy, num_valid=num_valid, error=error, log_ratio=log_ratio,
+                           ratio_in_use=math.exp(log_ratio), predicted=predicted if settings.horizon else None)
 
 
 def settle(state: ControllerState, decision: ControlDecision, settings: EntropyControlSettings, num_valid: int,
-           reach: int) -> ControllerState:
-    """Step 4 of the law: the next state, with anti-wind-up from the step's selection.
+           reach: int, sign: int) -> ControllerState:
+    """Step 5 of the law: the next state, with anti-wind-up from the step's selection.
 
     ``num_valid``: the selection's ``N``; ``reach``: the most tokens a larger ratio could select (``N``, or
-    Clip-Cov's candidates). The integration ``decision.integral - state.log_ratio`` is kept unless the ratio in
-    use lay at or beyond the edge of ``[max(1/N, min_ratio), min(reach/N, max_ratio)]`` it pushes towards.
+    Clip-Cov's candidates). The step's ``ln r`` is kept unless it strengthened the method while the ratio in use
+    lay at or beyond the edge of ``[max(1/N, min_ratio), min(reach/N, max_ratio)]`` on the strengthening side.
     """
-    previous, integral = state.log_ratio, decision.integral
+    log_ratio = decision.log_ratio
+    strengthened = sign * (log_ratio - state.log_ratio) > 0
     if num_valid <= 0 or reach <= 0:
-        integral = previous  # the ratio acts on nothing this step: no integration
-    else:
+        log_ratio = state.log_ratio  # the ratio acts on nothing this step: the state does not move
+    elif strengthened:
         low = max(math.log(1.0 / num_valid), math.log(settings.min_ratio))
         high = min(math.log(min(reach, num_valid) / num_valid), math.log(settings.max_ratio))
-        in_use = math.log(decision.ratio_in_use)
-        if (integral < previous and in_use <= low) or (integral > previous and in_use >= high):
-            integral = previous
+        if (sign > 0 and log_ratio >= high) or (sign < 0 and log_ratio <= low):
+            log_ratio = state.log_ratio
     if not settings.horizon:
         recent = ()  # no history without a horizon: a horizon set again later starts its trend afresh
     elif decision.num_valid:
         recent = (state.recent + (decision.entropy,))[-settings.window:]
     else:
         recent = state.recent
-    return ControllerState(knob=state.knob, log_ratio=integral, steps=state.steps + 1, recent=recent)
+    return ControllerState(knob=state.knob, log_ratio=log_ratio, steps=state.steps + 1, recent=recent)

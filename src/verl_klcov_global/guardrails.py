@@ -29,8 +29,6 @@ trainer config combines them with the rest of verl's config (verl 0.9.1 read for
 * ``entropy-target-unreachable`` (error): ``entropy_target`` >= ln(vocabulary size), the entropy of a uniform
   policy, read from ``config.json`` at ``actor_rollout_ref.model.path`` when that is a local directory (else
   the worker checks at the first controlled step, :mod:`.engine.control`).
-* ``entropy-control-start-clamped`` (warning): the configured ratio knob lies outside the controller's
-  ``[entropy_control_min_ratio, entropy_control_max_ratio]``: the controller starts from the nearer bound.
 * ``entropy-control-not-checkpointed`` (warning): the controller is on but ``optimizer`` is not in the actor's
   ``checkpoint.save_contents`` or ``load_contents``: its state travels with the optimizer, so a resumed run
   starts it again from the configured ratio.
@@ -303,14 +301,6 @@ def _controller_findings(config: Any, spec: ModeSpec) -> list[Finding]:
             f"Set {POLICY_LOSS}.entropy_target below {math.log(vocab_size):.4g} (e.g. the entropy your runs start at, "
             "verl's actor/entropy)"))
     knob, value = spec.ratio_knob, getattr(settings, spec.ratio_knob)
-    if not (control.min_ratio <= value <= control.max_ratio):
-        start = min(max(value, control.min_ratio), control.max_ratio)
-        found.append(Finding(
-            WARNING, "entropy-control-start-clamped", f"{POLICY_LOSS}.{knob}",
-            f"{knob}={value:g}, the entropy controller's starting point, lies outside its bounds "
-            f"[{control.min_ratio:g}, {control.max_ratio:g}]: the controller starts from {start:g}",
-            f"Set {POLICY_LOSS}.{knob} inside [entropy_control_min_ratio, entropy_control_max_ratio], or widen "
-            "them. The run goes on"))
     contents = [_get(config, f"{ACTOR}.checkpoint.{key}", ["model", "optimizer", "extra"])
                 for key in ("save_contents", "load_contents")]
     if any(isinstance(c, (list, tuple)) and "optimizer" not in c for c in contents):

@@ -25,7 +25,10 @@ from typing import Any, ClassVar, Optional
 
 from verl.workers.config.actor import PolicyLossConfig
 
-from .entropy_control import CONTROL_KNOBS, DEFAULT_WINDOW, EntropyControlSettings, validate_entropy_control
+from .entropy_control import (
+    CONTROL_KNOBS, DEFAULT_HORIZON, DEFAULT_HYSTERESIS, DEFAULT_WINDOW, EntropyControlSettings,
+    validate_entropy_control,
+)
 from .knob_doc import knob
 from .selection.knobs import POLICY_LOSS as POLICY_LOSS_PREFIX, finite_number, setting, validate_clip_ratio
 
@@ -63,15 +66,15 @@ def unsupported_strategy_message(loss_mode: str, upstream: Optional[str], found:
     return (f"loss_mode={loss_mode} supports verl's FSDP engine only (actor strategy {SUPPORTED_STRATEGIES}); "
             f"{found}. Set actor_rollout_ref.actor.strategy=fsdp2 (or fsdp), or {other}.")
 
-#: The entropy controller's gains (every mode): the proportional term carries the loop (a 10% entropy error
-#: moves the ratio in use by e^1); the integral, ten times slower, removes the offset that is left
-#: (HOW_IT_WORKS.md, "The law"; revised from 0.05 / 2.0 after the learning miniature, EVIDENCE.md).
-DEFAULT_ENTROPY_CONTROL_KI = 0.1
+#: The floor law's gains (every mode; :mod:`.entropy_control`): ``kp`` brakes harder below the target (a
+#: predicted deficit of 7% or more doubles the ratio in one optimizer step, the most a step moves it); ``ki``
+#: eases back towards the user's ratio above the hysteresis band (a 10% surplus: ln r moves by 0.1 a step).
+DEFAULT_ENTROPY_CONTROL_KI = 1.0
 DEFAULT_ENTROPY_CONTROL_KP = 10.0
-#: 0: the error reads the measured entropy (0.5.0's law); > 0 optimizer steps: the entropy extrapolated that
-#: far ahead along its trend over ``entropy_control_window`` steps (:mod:`.entropy_control`).
-DEFAULT_ENTROPY_CONTROL_HORIZON = 0.0
+#: The prediction: the entropy 8 optimizer steps ahead along its trend over the last 4 (0: the measured entropy).
+DEFAULT_ENTROPY_CONTROL_HORIZON = DEFAULT_HORIZON
 DEFAULT_ENTROPY_CONTROL_WINDOW = DEFAULT_WINDOW
+DEFAULT_ENTROPY_CONTROL_HYSTERESIS = DEFAULT_HYSTERESIS
 #: Bounds of the controlled ratio, per mode: KL-Cov's and Clip-Cov's around the papers' 2e-4 and 2e-3 (20x
 #: below the smaller, 25x above the larger, at the ratio-units warning); the 80/20 rule's from 1% of the tokens
 #: to all of them (1 = vanilla: the mode cannot lower entropy further).
@@ -185,6 +188,7 @@ def read_entropy_control(policy_loss: Any, bounds: tuple[float, float]) -> Optio
         knob_value(policy_loss, "entropy_control_max_ratio", bounds[1]),
         knob_value(policy_loss, "entropy_control_horizon", DEFAULT_ENTROPY_CONTROL_HORIZON),
         knob_value(policy_loss, "entropy_control_window", DEFAULT_ENTROPY_CONTROL_WINDOW),
+        knob_value(policy_loss, "entropy_control_hysteresis", DEFAULT_ENTROPY_CONTROL_HYSTERESIS),
     )
 
 
@@ -265,7 +269,7 @@ class PrepassPolicyLossConfig(PolicyLossConfig):
 @dataclass
 class GlobalModePolicyLossConfig(PrepassPolicyLossConfig):
     """The knobs every mode with an entropy controller carries, defined once: ``prepass_layout`` and the
-    controller's seven.
+    controller's eight.
 
     Not selected itself (its ``loss_mode`` is verl's): each mode's class derives from it, sets its own ``loss_mode``
     and, where the controlled ratio's bounds differ from KL-Cov's and Clip-Cov's, the two bound defaults and
@@ -278,16 +282,17 @@ class GlobalModePolicyLossConfig(PrepassPolicyLossConfig):
 
     entropy_target: Optional[float] = knob(
         None, controller=True, valid="finite, > 0, < ln(vocab)", default_note=" (off)",
-        help="entropy controller: holds the minibatches' mean entropy here by moving the mode's ratio knob "
-             "([HOW_IT_WORKS](docs/HOW_IT_WORKS.md#entropy-on-target-the-controller))")
+        help="entropy floor: below it (predicted) the controller strengthens the mode beyond its ratio knob, never "
+             "weakens it ([HOW_IT_WORKS](docs/HOW_IT_WORKS.md#entropy-floor-the-controller))")
     entropy_control_ki: float = knob(
-        DEFAULT_ENTROPY_CONTROL_KI, controller=True, row="gains", valid="finite, >= 0, not both 0",
-        help="the controller's integral gain (per optimizer step, in ln(ratio))")
-    entropy_control_kp: float = knob(DEFAULT_ENTROPY_CONTROL_KP, controller=True, row="gains", valid="finite, >= 0",
-                                     help="the controller's proportional gain")
+        DEFAULT_ENTROPY_CONTROL_KI, controller=True, row="gains", valid="finite, >= 0",
+        help="how fast it eases back to your ratio above the band (ln(ratio) per step per relative surplus)")
+    entropy_control_kp: float = knob(DEFAULT_ENTROPY_CONTROL_KP, controller=True, row="gains", valid="finite, > 0",
+                                     help="how fast it brakes harder below the target (per relative deficit); "
+                                          "a step moves ln(ratio) by at most ln 2")
     entropy_control_min_ratio: float = knob(
-        DEFAULT_COV_CONTROL_BOUNDS[0], controller=True, row="bounds", valid="0 < min < max <= 1",
-        help="lower bound of the controlled ratio")
+        DEFAULT_COV_CONTROL_BOUNDS[0], controller=True, row="bounds", valid="0 < min <= ratio <= max <= 1",
+        help="lower bound of the controlled ratio (must hold your ratio)")
     entropy_control_max_ratio: float = knob(DEFAULT_COV_CONTROL_BOUNDS[1], controller=True, row="bounds",
                                             help="upper bound of the controlled ratio", valid="<= 1")
     entropy_control_horizon: float = knob(
@@ -296,6 +301,9 @@ class GlobalModePolicyLossConfig(PrepassPolicyLossConfig):
              "trend (0: the measured entropy)")
     entropy_control_window: int = knob(DEFAULT_ENTROPY_CONTROL_WINDOW, controller=True, row="horizon",
                                        help="the trend's window, in optimizer steps", valid="whole >= 1")
+    entropy_control_hysteresis: float = knob(
+        DEFAULT_ENTROPY_CONTROL_HYSTERESIS, controller=True, row="horizon", valid="finite >= 0",
+        help="the band [target, (1 + this) x target] where the strength holds; above it the controller eases back")
 
     def validate_common_knobs(self) -> None:
         """``prepass_layout`` and the controller's knobs (ValueError naming the key, as the driver's check)."""

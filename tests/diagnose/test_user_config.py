@@ -259,7 +259,7 @@ def test_the_entropy_controller_is_listed_and_diagnosed_with_the_users_settings(
         "entropy_target": 1.5, "entropy_control_ki": 0.2, "entropy_control_kp": 10.0,
         "entropy_control_min_ratio": rows["entropy_control_min_ratio"][0],
         "entropy_control_max_ratio": rows["entropy_control_max_ratio"][0],
-        "entropy_control_horizon": 0.0, "entropy_control_window": 8}
+        "entropy_control_horizon": 8.0, "entropy_control_window": 4, "entropy_control_hysteresis": 0.1}
     from verl_klcov_global.diagnose.run import _actor_config
     from verl_klcov_global.modes import MODES
 

@@ -7,8 +7,8 @@
 * Later steps: the two layouts' parameters differ by float noise (as vanilla's do), and so do the
   controller's readings; the ratio's trajectories agree to far below the controller's own movement, and
   the parameters stay within ``NOISE_FACTOR`` x vanilla's difference between the same two layouts.
-* The knob moves the way the papers say: a target below the measured entropy lowers KL-Cov's and
-  Clip-Cov's ratio and raises the 80/20 rule's.
+* The knob moves the way the papers say, and only from the user's ratio towards more strength: with the entropy
+  below the target, KL-Cov's and Clip-Cov's ratio rises and the 80/20 rule's falls.
 * One state per engine, carried by the optimizer's state dict; a target no policy reaches stops the step.
 """
 
@@ -38,23 +38,26 @@ pytestmark = pytest.mark.slow  # verl's real engine and worker on CPU: the slow 
 
 PROMPT, RESPONSE = 8, 32
 NOISE_FACTOR = 10
-#: The tiny model starts near-uniform (entropy ~6.23 nats of ln 512 = 6.24): a target below it.
-TARGET = 5.0
+#: The tiny model starts near-uniform (entropy ~6.23 nats of ln 512 = 6.238): a floor just below ln 512, which the
+#: entropy stays under; a target the entropy stays above.
+TARGET = math.log(512) - 1e-3
+BELOW = 5.0
 CONFIGS = {
     "kl_cov_global": (KLCovGlobalPolicyLossConfig, dict(kl_cov_ratio=0.02)),
     "clip_cov_global": (ClipCovGlobalPolicyLossConfig, dict(clip_cov_ratio=0.02, clip_cov_lb=0.3, clip_cov_ub=5.0)),
     "high_entropy_global": (HighEntropyGlobalPolicyLossConfig, dict(entropy_top_ratio=0.2)),
 }
-#: Which way the ratio goes when the entropy is above the target (the papers' signs, written out here).
-LOWER_ENTROPY_MOVES_RATIO = {"kl_cov_global": "down", "clip_cov_global": "down", "high_entropy_global": "up"}
-CONTROL = dict(entropy_target=TARGET, entropy_control_ki=0.5, entropy_control_kp=1.0)
+#: Which way the ratio goes when the entropy is below the target (the papers' signs, written out here).
+BELOW_TARGET_MOVES_RATIO = {"kl_cov_global": "up", "clip_cov_global": "up", "high_entropy_global": "down"}
+#: The measured entropy (no horizon), and a gain large enough for a deficit of ~0.1% to move ln(ratio) by ~0.5.
+CONTROL = dict(entropy_target=TARGET, entropy_control_kp=500.0, entropy_control_horizon=0.0)
 
 
-def actor_config(mode: str, **extra):
+def actor_config(mode: str, target: float = TARGET, **extra):
     if mode == "vanilla":
         return _tiny.make_actor_config(loss_mode="vanilla", **extra)
     cls, knobs = CONFIGS[mode]
-    return _tiny.make_actor_config(policy_loss=cls(**knobs, **CONTROL), **extra)
+    return _tiny.make_actor_config(policy_loss=cls(**knobs, **{**CONTROL, "entropy_target": target}), **extra)
 
 
 def _figure_keys(metrics: dict, mode: str) -> dict:
@@ -64,11 +67,12 @@ def _figure_keys(metrics: dict, mode: str) -> dict:
             if k.startswith(prefix) and not k.endswith(("_seconds", "_share", "selected_in_micro_batch"))}
 
 
-def _train(worker, batch, mode: str, *, micro_batch_size: int, mini_batch_size: int, epochs: int = 1):
+def _train(worker, batch, mode: str, *, micro_batch_size: int, mini_batch_size: int, epochs: int = 1,
+           target: float = TARGET):
     """``train_mini_batch`` of ``batch`` (this rank's rows); (its metrics, per optimizer step: mask, decision)."""
     from verl.workers.utils.losses import ppo_loss
 
-    config = actor_config(mode, ppo_mini_batch_size=mini_batch_size, ppo_epochs=epochs)
+    config = actor_config(mode, target, ppo_mini_batch_size=mini_batch_size, ppo_epochs=epochs)
     worker.set_loss_fn(functools.partial(ppo_loss, config=config))
     data = _tiny.set_micro_batching(batch.copy(), use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size)
     tu.assign_non_tensor(data, mini_batch_size=mini_batch_size, epochs=epochs, seed=42,
@@ -119,7 +123,7 @@ def test_the_first_step_is_bit_identical_for_3_vs_5_micro_batches_and_dp_1_vs_2(
         prefix = MODES[mode].metric_prefix
         # the controller acted and its figures are there, one value per optimizer step
         assert figures[f"{prefix}entropy_target"] == [TARGET]
-        assert figures[f"{prefix}entropy_measured"] == [decision.entropy] and decision.entropy > TARGET
+        assert figures[f"{prefix}entropy_measured"] == [decision.entropy] and decision.entropy < TARGET
         assert figures[f"{prefix}{knob}_in_use"] == [decision.ratio_in_use]
         assert decision.ratio_in_use != CONFIGS[mode][1][knob]
         assert mask.any()
@@ -141,17 +145,19 @@ def test_the_first_step_is_bit_identical_for_3_vs_5_micro_batches_and_dp_1_vs_2(
 STEPS_ROWS, STEPS_MINI, STEPS_EPOCHS = 32, 8, 2  # 4 minibatches x 2 epochs = 8 optimizer steps
 
 
-def _trajectory(model_path: str, batch, mode: str, micro_batch_size: int):
+def _trajectory(model_path: str, batch, mode: str, micro_batch_size: int, target: float = TARGET):
     from verl_klcov_global.lab import cpu
 
     worker = build_training_worker(model_path)
     _, steps = _train(worker, batch, mode, micro_batch_size=micro_batch_size, mini_batch_size=STEPS_MINI,
-                      epochs=STEPS_EPOCHS)
+                      epochs=STEPS_EPOCHS, target=target)
     return [steering for _, steering in steps], cpu.engine_params_flat(worker.engine)
 
 
 @pytest.mark.parametrize("mode", list(CONFIGS))
-def test_later_steps_agree_to_the_float_noise_and_the_knob_moves_the_papers_way(tiny_model_path, mode):
+def test_later_steps_agree_to_the_float_noise_and_the_floor_only_strengthens_the_method(tiny_model_path, mode):
+    """Below its floor the ratio moves the paper's way, by at most ln 2 a step, never weaker than the user's (the
+    two layouts' trajectories agreeing to their float noise); above its floor it is the user's at every step."""
     batch = _batch(build_training_worker(tiny_model_path), STEPS_ROWS, seed=7, mini_batch_size=STEPS_MINI)
     _, vanilla_one = _trajectory(tiny_model_path, batch, "vanilla", STEPS_MINI)
     _, vanilla_four = _trajectory(tiny_model_path, batch, "vanilla", STEPS_MINI // 4)
@@ -164,11 +170,16 @@ def test_later_steps_agree_to_the_float_noise_and_the_knob_moves_the_papers_way(
     layout_gap = max(abs(a - b) for a, b in zip(*log_ratio))
     movement = abs(log_ratio[0][-1] - math.log(CONFIGS[mode][1][MODES[mode].ratio_knob]))
     direction = "down" if log_ratio[0][-1] < log_ratio[0][0] else "up"
-    assert direction == LOWER_ENTROPY_MOVES_RATIO[mode]
-    assert all(s.decision.entropy > TARGET for s in one)  # the error kept its sign: the integral moved one way
-    integrals = [s.state.log_ratio for s in one]
-    assert all((b < a) if direction == "down" else (b > a) for a, b in zip(integrals, integrals[1:]))
+    assert direction == BELOW_TARGET_MOVES_RATIO[mode]
+    assert all(s.decision.entropy < TARGET for s in one)  # a deficit at every step: the law only strengthened
+    user = math.log(CONFIGS[mode][1][MODES[mode].ratio_knob])
+    strength = [MODES[mode].entropy_sign * (r - user) for r in log_ratio[0]]
+    assert all(0 < a <= b for a, b in zip(strength, strength[1:]))  # never weaker than the user's, never easing
+    assert all(b - a <= math.log(2) + 1e-12 for a, b in zip([0.0] + strength, strength))  # ln 2 a step at most
     assert movement > 0.5 and layout_gap <= 1e-6 * movement, (layout_gap, movement)
+    above, _ = _trajectory(tiny_model_path, batch, mode, STEPS_MINI, target=BELOW)  # the entropy above its floor
+    assert all(s.decision.entropy > BELOW for s in above)
+    assert [s.decision.ratio_in_use for s in above] == [pytest.approx(math.exp(user), rel=1e-15)] * len(above)
     control = float((vanilla_one - vanilla_four).abs().max())
     ours = float((params_one - params_four).abs().max())
     assert control > 0 and ours <= NOISE_FACTOR * control, (ours, control)
@@ -190,7 +201,7 @@ def test_each_engine_keeps_its_own_state_in_its_optimizers_state_dict(tiny_model
     batch = frozen_minibatch(spec, seed=5, batch_size=8, prompt_len=PROMPT, response_len=RESPONSE)
     engines = [spec.build(), spec.build()]
     # the first engine predicts (a horizon over a window of 1): its state also carries the measured H
-    for engine, target, horizon in zip(engines, (5.0, 6.0), (40.0, 0.0)):
+    for engine, target, horizon in zip(engines, (TARGET, BELOW), (40.0, 0.0)):
         policy_loss = KLCovGlobalPolicyLossConfig(kl_cov_ratio=0.02, entropy_target=target,
                                                   entropy_control_horizon=horizon, entropy_control_window=1)
         config = _tiny.make_actor_config(policy_loss=policy_loss)
@@ -198,7 +209,7 @@ def test_each_engine_keeps_its_own_state_in_its_optimizers_state_dict(tiny_model
             engine.train_batch(batch.copy(), loss_function=functools.partial(ppo_loss, config=config))
     states = [engine.optimizer.param_groups[0][engine_control.STATE_KEY] for engine in engines]
     assert states[0]["knob"] == states[1]["knob"] == "kl_cov_ratio" and states[0]["steps"] == states[1]["steps"] == 1
-    assert states[0]["log_ratio"] != states[1]["log_ratio"]  # other targets: each engine its own state
+    assert states[0]["log_ratio"] > states[1]["log_ratio"] == math.log(0.02)  # below / above its target
     assert len(states[0]["recent"]) == 1 and 0 < states[0]["recent"][0] < math.log(512) and "recent" not in states[1]
     # the carrier: torch's state_dict keeps the entry and load_state_dict brings it back into a fresh engine
     saved = engines[0].optimizer.state_dict()
@@ -207,7 +218,7 @@ def test_each_engine_keeps_its_own_state_in_its_optimizers_state_dict(tiny_model
     fresh.optimizer.load_state_dict(saved)
     assert fresh.optimizer.param_groups[0][engine_control.STATE_KEY] == states[0]
     settings = MODES["kl_cov_global"].read_settings(_tiny.make_actor_config(
-        policy_loss=KLCovGlobalPolicyLossConfig(kl_cov_ratio=0.02, entropy_target=5.0, entropy_control_horizon=40.0,
+        policy_loss=KLCovGlobalPolicyLossConfig(kl_cov_ratio=0.02, entropy_target=TARGET, entropy_control_horizon=40.0,
                                                 entropy_control_window=1)))
     restored = engine_control.controller_state(fresh, MODES["kl_cov_global"], settings)
     assert restored.to_dict() == states[0]

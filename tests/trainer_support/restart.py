@@ -88,7 +88,8 @@ def _child(args) -> None:
     run = local_trainer.RunConfig(loss_mode=args.loss_mode, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
                                   entropy_target=args.entropy_target,
                                   entropy_control_horizon=args.entropy_control_horizon,
-                                  entropy_control_window=args.entropy_control_window)
+                                  entropy_control_window=args.entropy_control_window,
+                                  **({} if args.kl_cov_ratio is None else {"kl_cov_ratio": args.kl_cov_ratio}))
     _cpu.install_cpu_platform()
     _cpu.init_process_group_cpu(0, 1)  # a free port
     torch.set_num_threads(1)
@@ -111,7 +112,8 @@ def _real_tracking(directory: str):
 def start(*, model: str, work_dir: str, out: str, steps: int, loss_mode: str, resume_mode: str,
           optimizer: str = "AdamW", lr: float = 1e-3, block_after_optimizer_steps: int = 0, cwd: str,
           env: Optional[dict] = None, tracking: str = "", entropy_target: Optional[float] = None,
-          entropy_control_horizon: float = 0.0, entropy_control_window: int = 8) -> subprocess.Popen:
+          entropy_control_horizon: float = 0.0, entropy_control_window: int = 8,
+          kl_cov_ratio: Optional[float] = None) -> subprocess.Popen:
     """Start one child run in its own process group (session); stdout+stderr go to ``out/log.txt``.
 
     ``tracking``: a directory for the tensorboard event file of verl's real console+tensorboard logger;
@@ -125,6 +127,8 @@ def start(*, model: str, work_dir: str, out: str, steps: int, loss_mode: str, re
     if entropy_target is not None:
         argv += ["--entropy-target", repr(entropy_target), "--entropy-control-horizon", repr(entropy_control_horizon),
                  "--entropy-control-window", str(entropy_control_window)]
+    if kl_cov_ratio is not None:
+        argv += ["--kl-cov-ratio", repr(kl_cov_ratio)]
     log = open(os.path.join(out, "log.txt"), "w")
     return subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -178,6 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--entropy-target", type=float, default=None)
     parser.add_argument("--entropy-control-horizon", type=float, default=0.0)
     parser.add_argument("--entropy-control-window", type=int, default=8)
+    parser.add_argument("--kl-cov-ratio", type=float, default=None, help="the RunConfig's default when not given")
     _child(parser.parse_args(argv))
 
 

@@ -4,7 +4,7 @@
 mode's settings carry ``entropy_control``; the law itself is :mod:`verl_klcov_global.entropy_control`.
 
 Where the state lives: in the engine's optimizer, as the entry :data:`STATE_KEY` of its first parameter
-group (a plain dict: the controlled knob's name, the integral ``ln r``, the steps controlled and, with a
+group (a plain dict: the controlled knob's name, ``ln r`` of the ratio in use, the steps controlled and, with a
 prediction horizon, the last measured entropies). So:
 
 * one state per engine: ``diagnose`` and a fused actor/ref worker hold several engines in one process, and
@@ -33,7 +33,9 @@ from typing import Any, Optional
 import torch.distributed as dist
 from verl.workers.engine.base import BaseEngine
 
-from ..entropy_control import ControlDecision, ControllerState, clamp_start, decide, measure_entropy, settle
+from ..entropy_control import (
+    ControlDecision, ControllerState, check_ratio_within_bounds, decide, measure_entropy, settle,
+)
 from ..guardrails import GuardrailWarning
 from ..layout import MinibatchFields
 from ..modes import ModeSpec, Selection
@@ -59,26 +61,20 @@ def first_param_group(engine: BaseEngine) -> dict:
 
 
 def controller_state(engine: BaseEngine, mode: ModeSpec, settings: Any) -> ControllerState:
-    """The engine's controller state; a fresh one (the configured ratio, clamped to the bounds) if it has none."""
+    """The engine's controller state; a fresh one (the user's ratio) if it has none. The user's ratio must lie
+    within the bounds (ValueError naming the keys, as the driver's check)."""
     control = settings.entropy_control
+    configured = getattr(settings, mode.ratio_knob)
+    check_ratio_within_bounds(mode.ratio_knob, configured, control)
     stored = first_param_group(engine).get(STATE_KEY)
     if stored is not None and stored.get("knob") == mode.ratio_knob:
-        state = ControllerState.from_dict(stored)
-        bounded = min(max(state.log_ratio, math.log(control.min_ratio)), math.log(control.max_ratio))
-        return dataclasses.replace(state, log_ratio=bounded)  # bounds changed since the checkpoint: clamp
+        return ControllerState.from_dict(stored)  # the law keeps it within the user's ratio and the bound
     if stored is not None:
         warnings.warn(GuardrailWarning(
             f"verl-klcov-global: the optimizer carries an entropy-controller state for {stored.get('knob')!r} "
             f"(another mode's checkpoint?), not {mode.ratio_knob!r}: {mode.name}'s controller starts again from "
             f"the configured {mode.ratio_knob}"), stacklevel=2)
-    configured = getattr(settings, mode.ratio_knob)
-    start, clamped = clamp_start(configured, control)
-    if clamped:
-        warnings.warn(GuardrailWarning(
-            f"verl-klcov-global: {mode.ratio_knob}={configured!r} lies outside the entropy controller's bounds "
-            f"[{control.min_ratio!r}, {control.max_ratio!r}] (entropy_control_min_ratio / _max_ratio): the "
-            f"controller starts from {start!r}"), stacklevel=2)
-    return ControllerState(knob=mode.ratio_knob, log_ratio=math.log(start))
+    return ControllerState(knob=mode.ratio_knob, log_ratio=math.log(configured))
 
 
 def store_controller_state(engine: BaseEngine, state: ControllerState) -> None:
@@ -122,7 +118,7 @@ def steer(engine: BaseEngine, mode: ModeSpec, settings: Any, fields: MinibatchFi
     check_target_below_max_entropy(engine, control.target)
     state = controller_state(engine, mode, settings)
     entropy, num_valid = measure_entropy(fields.entropy, fields.response_mask, control, group)
-    decision = decide(state, entropy, num_valid, control, mode.entropy_sign)
+    decision = decide(state, entropy, num_valid, control, mode.entropy_sign, getattr(settings, mode.ratio_knob))
     return Steering(settings=dataclasses.replace(settings, **{mode.ratio_knob: decision.ratio_in_use}),
                     decision=decision, state=state)
 
@@ -130,4 +126,4 @@ def steer(engine: BaseEngine, mode: ModeSpec, settings: Any, fields: MinibatchFi
 def settle_after_selection(engine: BaseEngine, mode: ModeSpec, steering: Steering, selection: Selection) -> None:
     """After the selection: the next state (anti-wind-up from the selection's ``N`` and reach), stored."""
     store_controller_state(engine, settle(steering.state, steering.decision, steering.settings.entropy_control,
-                                          selection.num_valid, mode.selection_reach(selection)))
+                                          selection.num_valid, mode.selection_reach(selection), mode.entropy_sign))
