@@ -220,7 +220,8 @@ def test_unsupported_strategy_suggests_only_an_upstream_verl_registers(monkeypat
 
 #: Each class's own fields and their defaults as 0.7.0 wrote them out three times (beyond verl's PolicyLossConfig).
 FIELDS_0_7_0 = {
-    "KLCovGlobalPolicyLossConfig": dict(loss_mode="kl_cov_global"),
+    "KLCovGlobalPolicyLossConfig": dict(loss_mode="kl_cov_global", entropy_control_min_ratio=1e-05,
+                                        entropy_control_max_ratio=0.02),  # the floor's bounds (after 0.8.0)
     "ClipCovGlobalPolicyLossConfig": dict(loss_mode="clip_cov_global", clip_cov_seed=0),
     "HighEntropyGlobalPolicyLossConfig": dict(loss_mode="high_entropy_global", entropy_top_ratio=0.2,
                                               entropy_control_min_ratio=0.01, entropy_control_max_ratio=1.0),

@@ -335,7 +335,7 @@ BAD = [("entropy_target", "0", r"entropy_target must be a finite number of nats 
        ("entropy_control_horizon", "-5", "entropy_control_horizon must be"),
        ("entropy_control_window", "0", "entropy_control_window must be"),
        ("entropy_control_hysteresis", "-1", "entropy_control_hysteresis must be"),
-       ("kl_cov_ratio", "0.2", r"kl_cov_ratio=0.2 lies outside the entropy controller's bounds \[1e-05, 0.05\]")]
+       ("kl_cov_ratio", "0.2", r"kl_cov_ratio=0.2 lies outside the entropy controller's bounds \[1e-05, 0.02\]")]
 
 
 @pytest.mark.parametrize("route", ["config_name", "target"])
@@ -374,6 +374,17 @@ def test_a_ratio_outside_the_bounds_is_refused_only_with_the_controller_on():
     off = _compose("kl_cov_global", [f"{PL}kl_cov_ratio=0.2"])
     assert driver.check_trainer_config(off) == "kl_cov_global"
     assert not [f for f in findings(off) if f.code.startswith("entropy-control")]
+
+
+def test_the_floor_warns_where_the_modes_row_carries_evidence_against_it():
+    for mode in CLASSES:
+        config = _compose(mode, [f"{PL}entropy_target=1.5"])
+        warned = [f for f in findings(config) if f.code == "entropy-floor-unproven"]
+        assert bool(warned) == bool(MODES[mode].floor_caveat), mode
+        assert not [f for f in findings(_compose(mode, [])) if f.code == "entropy-floor-unproven"]  # off: no warning
+    (finding,) = [f for f in findings(_compose("kl_cov_global", [f"{PL}entropy_target=1.5"]))
+                  if f.code == "entropy-floor-unproven"]
+    assert "SmolLM2" in finding.message and "entropy_control_max_ratio" in finding.fix
 
 
 def test_a_checkpoint_without_the_optimizer_warns_that_a_resume_restarts_the_controller():

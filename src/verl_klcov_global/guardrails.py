@@ -29,6 +29,8 @@ trainer config combines them with the rest of verl's config (verl 0.9.1 read for
 * ``entropy-target-unreachable`` (error): ``entropy_target`` >= ln(vocabulary size), the entropy of a uniform
   policy, read from ``config.json`` at ``actor_rollout_ref.model.path`` when that is a local directory (else
   the worker checks at the first controlled step, :mod:`.engine.control`).
+* ``entropy-floor-unproven`` (warning): the controller is on for a mode whose row carries a ``floor_caveat``: on a
+  real model more strength did not reliably hold more entropy (KL-Cov on SmolLM2, docs/EVIDENCE.md).
 * ``entropy-control-not-checkpointed`` (warning): the controller is on but ``optimizer`` is not in the actor's
   ``checkpoint.save_contents`` or ``load_contents``: its state travels with the optimizer, so a resumed run
   starts it again from the configured ratio.
@@ -301,6 +303,12 @@ def _controller_findings(config: Any, spec: ModeSpec) -> list[Finding]:
             f"Set {POLICY_LOSS}.entropy_target below {math.log(vocab_size):.4g} (e.g. the entropy your runs start at, "
             "verl's actor/entropy)"))
     knob, value = spec.ratio_knob, getattr(settings, spec.ratio_knob)
+    if spec.floor_caveat:
+        found.append(Finding(
+            WARNING, "entropy-floor-unproven", f"{POLICY_LOSS}.entropy_target", spec.floor_caveat,
+            f"Watch {spec.metric_prefix}entropy_measured and {spec.metric_prefix}{knob}_in_use against your fixed-"
+            f"{knob} runs, or set {POLICY_LOSS}entropy_control_max_ratio to your {knob} to keep the method as you set "
+            "it. The run goes on"))
     contents = [_get(config, f"{ACTOR}.checkpoint.{key}", ["model", "optimizer", "extra"])
                 for key in ("save_contents", "load_contents")]
     if any(isinstance(c, (list, tuple)) and "optimizer" not in c for c in contents):

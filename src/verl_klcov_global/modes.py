@@ -103,7 +103,9 @@ class ModeSpec:
       ``ratio_knob`` keeps entropy higher (KL-Cov, Clip-Cov: more tokens penalised or cut), -1 where it
       lowers entropy (the 80/20 rule: more low-entropy tokens train), 0: the mode has no controller;
       ``selection_reach(selection)``: the most tokens a larger ratio could select in that step (the
-      anti-wind-up's upper edge): ``num_valid``, or Clip-Cov's candidates;
+      anti-wind-up's upper edge): ``num_valid``, or Clip-Cov's candidates; ``floor_caveat``: what the evidence says
+      against trusting the entropy floor with this mode (the driver warns with it, ``entropy-floor-unproven``;
+      empty: nothing);
     * ``update_rule``: a once-per-trainer-step rule on the batch's old-policy entropy (:data:`UpdateRule`; STARE's
       gate and schedule), None for none. A mode with one reads verl's log-prob pass in every ``prepass_layout``
       (:attr:`reads_batch_entropy`; the driver refuses ``bypass_mode``, which runs no pass);
@@ -150,6 +152,7 @@ class ModeSpec:
     prepass_reads_entropy: bool = False
     entropy_sign: int = 0
     selection_reach: Callable[[Any], int] = lambda selection: selection.num_valid
+    floor_caveat: str = ""
     update_rule: Optional[UpdateRule] = None
     setting_warnings: Optional[SettingWarnings] = None
     ratio_of: str = "each optimizer minibatch's valid response tokens"

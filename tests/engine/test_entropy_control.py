@@ -43,7 +43,7 @@ NOISE_FACTOR = 10
 TARGET = math.log(512) - 1e-3
 BELOW = 5.0
 CONFIGS = {
-    "kl_cov_global": (KLCovGlobalPolicyLossConfig, dict(kl_cov_ratio=0.02)),
+    "kl_cov_global": (KLCovGlobalPolicyLossConfig, dict(kl_cov_ratio=0.005)),
     "clip_cov_global": (ClipCovGlobalPolicyLossConfig, dict(clip_cov_ratio=0.02, clip_cov_lb=0.3, clip_cov_ub=5.0)),
     "high_entropy_global": (HighEntropyGlobalPolicyLossConfig, dict(entropy_top_ratio=0.2)),
 }
@@ -202,14 +202,14 @@ def test_each_engine_keeps_its_own_state_in_its_optimizers_state_dict(tiny_model
     engines = [spec.build(), spec.build()]
     # the first engine predicts (a horizon over a window of 1): its state also carries the measured H
     for engine, target, horizon in zip(engines, (TARGET, BELOW), (40.0, 0.0)):
-        policy_loss = KLCovGlobalPolicyLossConfig(kl_cov_ratio=0.02, entropy_target=target,
+        policy_loss = KLCovGlobalPolicyLossConfig(kl_cov_ratio=0.005, entropy_target=target,
                                                   entropy_control_horizon=horizon, entropy_control_window=1)
         config = _tiny.make_actor_config(policy_loss=policy_loss)
         with engine.train_mode():
             engine.train_batch(batch.copy(), loss_function=functools.partial(ppo_loss, config=config))
     states = [engine.optimizer.param_groups[0][engine_control.STATE_KEY] for engine in engines]
     assert states[0]["knob"] == states[1]["knob"] == "kl_cov_ratio" and states[0]["steps"] == states[1]["steps"] == 1
-    assert states[0]["log_ratio"] > states[1]["log_ratio"] == math.log(0.02)  # below / above its target
+    assert states[0]["log_ratio"] > states[1]["log_ratio"] == math.log(0.005)  # below / above its target
     assert len(states[0]["recent"]) == 1 and 0 < states[0]["recent"][0] < math.log(512) and "recent" not in states[1]
     # the carrier: torch's state_dict keeps the entry and load_state_dict brings it back into a fresh engine
     saved = engines[0].optimizer.state_dict()
@@ -218,7 +218,7 @@ def test_each_engine_keeps_its_own_state_in_its_optimizers_state_dict(tiny_model
     fresh.optimizer.load_state_dict(saved)
     assert fresh.optimizer.param_groups[0][engine_control.STATE_KEY] == states[0]
     settings = MODES["kl_cov_global"].read_settings(_tiny.make_actor_config(
-        policy_loss=KLCovGlobalPolicyLossConfig(kl_cov_ratio=0.02, entropy_target=TARGET, entropy_control_horizon=40.0,
+        policy_loss=KLCovGlobalPolicyLossConfig(kl_cov_ratio=0.005, entropy_target=TARGET, entropy_control_horizon=40.0,
                                                 entropy_control_window=1)))
     restored = engine_control.controller_state(fresh, MODES["kl_cov_global"], settings)
     assert restored.to_dict() == states[0]
