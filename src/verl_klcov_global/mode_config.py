@@ -36,7 +36,7 @@ __all__ = [
     "DEFAULT_CLIP_RATIO_C", "DEFAULT_COV_CONTROL_BOUNDS", "DEFAULT_ENTROPY_CONTROL_HORIZON", "DEFAULT_ENTROPY_CONTROL_KI",
     "DEFAULT_ENTROPY_CONTROL_KP", "DEFAULT_ENTROPY_CONTROL_WINDOW", "MASK_FIELD", "OLD_POLICY_LAYOUT", "PREPASS_LAYOUTS",
     "PROXY_FIELD", "RATIO_OF_MINIBATCH", "ModeSettings", "ClippedModeSettings", "clipped_settings", "common_settings", "refuse_controller_knobs", "SUPPORTED_STRATEGIES", "GlobalModePolicyLossConfig", "PrepassPolicyLossConfig",
-    "controller_knobs_set", "knob_value", "loss_mode_of", "parent_post_init", "policy_loss_of", "ppo_clip_settings",
+    "controller_knobs_set", "knob_value", "loss_mode_of", "max_ratio_knob", "min_ratio_knob", "parent_post_init", "policy_loss_of", "ppo_clip_settings",
     "read_entropy_control", "require_loss_mode", "unsupported_strategy_message", "validate_clip_ratio_c",
     "validate_prepass_layout",
 ]
@@ -266,6 +266,18 @@ class PrepassPolicyLossConfig(PolicyLossConfig):
         validate_prepass_layout(self.prepass_layout)
 
 
+def min_ratio_knob(bounds: tuple[float, float]) -> Any:
+    """The field ``entropy_control_min_ratio`` with default ``bounds[0]``: a mode's class whose bounds differ from
+    :data:`DEFAULT_COV_CONTROL_BOUNDS` redeclares both bound fields with these, and sets ``CONTROL_BOUNDS``."""
+    return knob(bounds[0], controller=True, row="bounds", valid="0 < min <= ratio <= max <= 1",
+                help="lower bound of the controlled ratio (must hold your ratio)")
+
+
+def max_ratio_knob(bounds: tuple[float, float]) -> Any:
+    """The field ``entropy_control_max_ratio`` with default ``bounds[1]`` (see :func:`min_ratio_knob`)."""
+    return knob(bounds[1], controller=True, row="bounds", valid="<= 1", help="upper bound of the controlled ratio")
+
+
 @dataclass
 class GlobalModePolicyLossConfig(PrepassPolicyLossConfig):
     """The knobs every mode with an entropy controller carries, defined once: ``prepass_layout`` and the
@@ -290,11 +302,8 @@ class GlobalModePolicyLossConfig(PrepassPolicyLossConfig):
     entropy_control_kp: float = knob(DEFAULT_ENTROPY_CONTROL_KP, controller=True, row="gains", valid="finite, > 0",
                                      help="how fast it brakes harder below the target (per relative deficit); "
                                           "a step moves ln(ratio) by at most ln 2")
-    entropy_control_min_ratio: float = knob(
-        DEFAULT_COV_CONTROL_BOUNDS[0], controller=True, row="bounds", valid="0 < min <= ratio <= max <= 1",
-        help="lower bound of the controlled ratio (must hold your ratio)")
-    entropy_control_max_ratio: float = knob(DEFAULT_COV_CONTROL_BOUNDS[1], controller=True, row="bounds",
-                                            help="upper bound of the controlled ratio", valid="<= 1")
+    entropy_control_min_ratio: float = min_ratio_knob(DEFAULT_COV_CONTROL_BOUNDS)
+    entropy_control_max_ratio: float = max_ratio_knob(DEFAULT_COV_CONTROL_BOUNDS)
     entropy_control_horizon: float = knob(
         DEFAULT_ENTROPY_CONTROL_HORIZON, controller=True, row="horizon", valid="finite >= 0; whole >= 1",
         help="the controller's error reads the entropy extrapolated this many optimizer steps ahead along its "

@@ -18,6 +18,8 @@ from ...mode_config import (
     GlobalModePolicyLossConfig,
     clipped_settings,
     knob_value,
+    max_ratio_knob,
+    min_ratio_knob,
     policy_loss_of,
 )
 from .selection import validate_entropy_top_ratio
@@ -67,10 +69,8 @@ class HighEntropyGlobalPolicyLossConfig(GlobalModePolicyLossConfig):
     entropy_top_ratio: float = knob(
         DEFAULT_ENTROPY_TOP_RATIO, valid="finite, (0, 1]", default_note=" (the paper's, 14B and 32B)",
         help=f"ρ: fraction {RATIO_OF_MINIBATCH} that keep the PPO-clip loss, by current-policy entropy")
-    entropy_control_min_ratio: float = knob(DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS[0], controller=True, row="bounds",
-                                            help="lower bound of the controlled ratio", valid="0 < min < max <= 1")
-    entropy_control_max_ratio: float = knob(DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS[1], controller=True, row="bounds",
-                                            help="upper bound of the controlled ratio", valid="<= 1")
+    entropy_control_min_ratio: float = min_ratio_knob(DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS)
+    entropy_control_max_ratio: float = max_ratio_knob(DEFAULT_HIGH_ENTROPY_CONTROL_BOUNDS)
 
     def validate_knobs(self) -> None:
         validate_entropy_top_ratio(self.entropy_top_ratio)

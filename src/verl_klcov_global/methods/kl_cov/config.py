@@ -9,13 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ...knob_doc import KnobDoc, knob
+from ...knob_doc import KnobDoc
 from ...mode_config import (
     RATIO_OF_MINIBATCH,
     GlobalModePolicyLossConfig,
     ModeSettings,
     common_settings,
     knob_value,
+    max_ratio_knob,
+    min_ratio_knob,
     policy_loss_of,
 )
 from ...selection.knobs import finite_number, setting
@@ -75,10 +77,8 @@ class KLCovGlobalPolicyLossConfig(GlobalModePolicyLossConfig):
     CONTROL_BOUNDS: ClassVar[tuple[float, float]] = DEFAULT_KL_COV_CONTROL_BOUNDS
 
     loss_mode: str = "kl_cov_global"
-    entropy_control_min_ratio: float = knob(DEFAULT_KL_COV_CONTROL_BOUNDS[0], controller=True, row="bounds",
-                                            help="lower bound of the controlled ratio", valid="0 < min < max <= 1")
-    entropy_control_max_ratio: float = knob(DEFAULT_KL_COV_CONTROL_BOUNDS[1], controller=True, row="bounds",
-                                            help="upper bound of the controlled ratio", valid="<= 1")
+    entropy_control_min_ratio: float = min_ratio_knob(DEFAULT_KL_COV_CONTROL_BOUNDS)
+    entropy_control_max_ratio: float = max_ratio_knob(DEFAULT_KL_COV_CONTROL_BOUNDS)
 
     def validate_knobs(self) -> None:
         validate_kl_cov_ratio(self.kl_cov_ratio)
