@@ -384,7 +384,7 @@ def test_the_floor_warns_where_the_modes_row_carries_evidence_against_it():
         assert not [f for f in findings(_compose(mode, [])) if f.code == "entropy-floor-unproven"]  # off: no warning
     (finding,) = [f for f in findings(_compose("kl_cov_global", [f"{PL}entropy_target=1.5"]))
                   if f.code == "entropy-floor-unproven"]
-    assert "SmolLM2" in finding.message and "entropy_control_max_ratio" in finding.fix
+    assert "SmolLM2" in finding.message and f"set {PL}entropy_control_max_ratio to your" in finding.fix
 
 
 def test_a_checkpoint_without_the_optimizer_warns_that_a_resume_restarts_the_controller():

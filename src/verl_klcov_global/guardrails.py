@@ -307,7 +307,7 @@ def _controller_findings(config: Any, spec: ModeSpec) -> list[Finding]:
         found.append(Finding(
             WARNING, "entropy-floor-unproven", f"{POLICY_LOSS}.entropy_target", spec.floor_caveat,
             f"Watch {spec.metric_prefix}entropy_measured and {spec.metric_prefix}{knob}_in_use against your fixed-"
-            f"{knob} runs, or set {POLICY_LOSS}entropy_control_max_ratio to your {knob} to keep the method as you set "
+            f"{knob} runs, or set {POLICY_LOSS}.entropy_control_max_ratio to your {knob} to keep the method as you set "
             "it. The run goes on"))
     contents = [_get(config, f"{ACTOR}.checkpoint.{key}", ["model", "optimizer", "extra"])
                 for key in ("save_contents", "load_contents")]
