@@ -35,7 +35,7 @@ BATCH, PROMPT, RESPONSE, SEED, MIN_P = 16, 16, 128, 0, 0.02
 def run(*, reps: int, warmup: int, model_dir: str, model_name: str) -> dict[str, Any]:
     import torch
 
-    from verl_klcov_global.engine import reuse
+    from verl_klcov_global.engine import kept_pass, reuse
     from verl_klcov_global.engine.proxy import CHUNK_ROWS, PROXY_REQUEST_KEY
     from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch, log_prob_pass
 
@@ -56,7 +56,7 @@ def run(*, reps: int, warmup: int, model_dir: str, model_name: str) -> dict[str,
         if name == "pass":
             log_prob_pass(engine, batch)
         else:
-            log_prob_pass(engine, batch, reuse.log_prob_pass(engine, keep_entropy=False, keep_proxy=True),
+            log_prob_pass(engine, batch, kept_pass.log_prob_pass(engine, keep_entropy=False, keep_proxy=True),
                           extra={PROXY_REQUEST_KEY: MIN_P})
         seconds = time.perf_counter() - started
         if record:

@@ -108,12 +108,12 @@ def _trainer_step(worker, batch, variant: str, mini_batch: int, epochs: int) -> 
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import response_from_nested
 
-    from verl_klcov_global.engine import reuse
+    from verl_klcov_global.engine import kept_pass, reuse
 
     worker.set_loss_fn(functools.partial(ppo_loss, config=_actor_config(variant, mini_batch, epochs)))
     reuse.forget(worker.engine)  # nothing of the previous variant's pass (a held [old] one stays until replaced)
     data = batch.copy()
-    switch = reuse.disabled() if variant.endswith(NO_REUSE) else contextlib.nullcontext()
+    switch = kept_pass.disabled() if variant.endswith(NO_REUSE) else contextlib.nullcontext()
     with switch:
         pass_data = data.copy()
         tu.assign_non_tensor(pass_data, calculate_entropy=True, compute_loss=False)

@@ -52,7 +52,7 @@ def _actor_config(mode: str):
 def run(*, reps: int, warmup: int, model_dir: str) -> dict[str, Any]:
     from verl.workers.utils.losses import ppo_loss
 
-    from verl_klcov_global.engine import reuse
+    from verl_klcov_global.engine import kept_pass
     from verl_klcov_global.lab import per_micro_batch
     from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch, hold_old_policy_pass, static_layouts
     from verl_klcov_global.methods.stare.authors import COMPARATOR
@@ -81,7 +81,7 @@ def run(*, reps: int, warmup: int, model_dir: str) -> dict[str, Any]:
                 value = output["metrics"]["actor/stare/selection_seconds"]
                 selection_ms.append(1e3 * float(value.aggregate() if hasattr(value, "aggregate") else value))
 
-    with reuse.disabled():
+    with kept_pass.disabled():
         for _ in range(warmup):
             for mode in MODES:
                 step(mode, record=False)

@@ -24,8 +24,8 @@ LAYERS = [
     ["methods"],  # one folder per method: config, selection, objective, schedule, its row (its authors' rule apart)
     ["config"],  # what users' ``_target_`` lines name: re-exports the methods' classes
     ["guardrails", "knob_table"],
-    ["driver", "engine.logprobs", "engine.control", "engine.proxy", "engine.reuse", "engine.old_policy", "engine.batch_entropy",
-     "engine.schedule"],
+    ["driver", "engine.logprobs", "engine.control", "engine.proxy", "engine.weights", "engine.kept_pass", "engine.reuse", "engine.old_policy", "engine.batch_entropy",
+     "engine.schedule", "engine.step_count"],
     ["engine.prepass"],
     ["engine.step"],
     ["engine.patches", "engine"],

@@ -3,7 +3,7 @@
 Runs: ``RayPPOTrainer.fit`` (legacy trainer) in-process with verl's real ``ActorRolloutRefWorker`` and FSDP2
 engine on CPU, fp32 (:mod:`experiments.local_trainer`), GRPO, 3 steps of 4 prompts x 4 responses, **one
 minibatch and one epoch** (the strictly on-policy setup), for each global mode: once as the plugin runs
-(reuse on by default) and once with reuse switched off (``engine.reuse.disabled()``: the prepass every step).
+(reuse on by default) and once with reuse switched off (``engine.kept_pass.disabled()``: the prepass every step).
 
 Required: with reuse every step whose minibatch holds no two rows of equal content logs ``prepass_reused`` 1 and
 ``prepass_seconds`` 0; a step with such rows (GRPO's random rollouts have some) reuses where verl's pass gave them
@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_klcov_global.engine import reuse, step as engine_step
+from verl_klcov_global.engine import kept_pass, reuse, step as engine_step
 from verl_klcov_global.lab import cpu as _cpu
 from verl_klcov_global.modes import MODES
 from experiments import local_trainer
@@ -87,7 +87,7 @@ def steps(monkeypatch):
 def test_an_on_policy_run_reuses_every_unambiguous_step_and_trains_as_the_prepass_does(run, steps, mode):
     prefix = MODES[mode].metric_prefix
     reused = run(mode)
-    with reuse.disabled():
+    with kept_pass.disabled():
         prepass = run(mode)
     assert len(steps) == 2 * STEPS  # one optimizer step per trainer step
     flags = [m[prefix + "prepass_reused"] for m in reused.metrics]
@@ -117,3 +117,39 @@ def test_an_on_policy_run_reuses_every_unambiguous_step_and_trains_as_the_prepas
     print(f"\n{mode}: {sum(flags):.0f} of {STEPS} on-policy steps reused verl's log-prob pass (steps with rows of "
           f"equal content: {[number for number, (_, _, equal) in enumerate(steps[:STEPS], 1) if equal]}); "
           f"{compared} figures and {len(reused.params)} weight versions equal to the prepass run's, bit for bit")
+
+
+class _PairedResponses(local_trainer.RandomRollout):
+    """Samples 2j and 2j + 1 of every batch get one response: verl repeats each prompt ``n`` times in a row
+    (``repeat(interleave=True)``), so with an even ``n`` every group of GRPO holds pairs of equal rows."""
+
+    def respond(self, prompts):
+        responses = super().respond(prompts)
+        assert all(prompts[i] == prompts[i - i % 2] for i in range(len(prompts)))
+        return [responses[i - i % 2] for i in range(len(responses))]
+
+
+def test_lp_reg_trains_through_repeated_responses_in_the_recipes_packed_dynamic_layout(run, tiny_model_path,
+                                                                                        tmp_path):
+    """``lp_reg_global`` on verl's trainer loop with a rollout that repeats responses, packed sequences and dynamic
+    micro-batches (the recipes' settings), 2 minibatches x 2 epochs: its proxy is read at every optimizer step from
+    the pass held for the update, although copies of a row got statistics one ulp apart there (what bf16, packed
+    sequences and some CPUs give them; made certain here). Before, every rank raised ``ProxyUnavailableError``."""
+    from .support.copies import copies_one_ulp_apart
+
+    config = local_trainer.RunConfig(loss_mode="lp_reg_global", steps=2, prompts_per_step=4, mini_batch_prompts=2,
+                                     ppo_epochs=2)
+    packed_dynamic = ["actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.use_dynamic_bsz=True",
+                      "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=128",
+                      "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+                      "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=192"]
+    with copies_one_ulp_apart() as moved:
+        result = local_trainer.run_trainer(
+            config, model_path=tiny_model_path, work_dir=str(tmp_path), extra_overrides=packed_dynamic,
+            make_rollout=lambda tokenizer, run_config, params: _PairedResponses(
+                tokenizer, seed=run_config.seed, max_prompt_length=run_config.max_prompt_length,
+                max_response_length=run_config.max_response_length))
+    assert moved == [8, 8]  # every step's pass: 16 rows in 8 pairs
+    prefix = MODES["lp_reg_global"].metric_prefix
+    assert len(result.metrics) == 2 and all(m[prefix + "selected"] >= 1 for m in result.metrics)
+    assert not torch.equal(result.params[0], result.params[-1])  # it trained

@@ -288,3 +288,47 @@ def test_the_worker_holds_the_proxy_for_every_optimizer_step_of_the_update(peake
         # four optimizer steps read it (a missing proxy raises), and some of their tokens are regularised
         assert len(regularised) == 4 and sum(regularised) > 0, regularised
         previous = batch
+
+
+def test_copies_of_a_row_whose_pass_statistics_differ_in_the_last_bit_train_with_the_first_occurrences_proxy(
+        peaked_model_path, monkeypatch):
+    """GRPO repeats responses; where copies of a row get other last bits in verl's pass (bf16, packed sequences, some
+    CPUs; made certain here, :func:`..support.copies.copies_one_ulp_apart`), every optimizer step of the update still
+    gets the proxy (each copy the first occurrence's), so the update trains instead of raising
+    ``ProxyUnavailableError`` on every rank; reuse of the pass keeps its strict rule (that step runs the prepass)."""
+    from verl_klcov_global.engine import kept_pass, step as engine_step, weights
+
+    from ..support.copies import copies_one_ulp_apart, with_copies
+    from ..support.workers import build_training_worker
+    from .test_reuse import log_prob_pass, rows, update
+
+    worker = build_training_worker(peaked_model_path)
+    _use_lp_reg(worker, mini_batch=16, epochs=2)
+    batch = with_copies(rows(41), [0, 5, 9, 5])  # rows 28-31: copies of 0, 5, 9 and 5 again
+    with copies_one_ulp_apart() as moved:
+        log_prob_pass(worker, batch)
+    assert moved == [4]
+    kept = weights.state_of(worker.engine).kept
+    assert len(kept.ambiguous) == 3 and kept.held and kept.proxy is not None
+    proxy, why = reuse.held_proxy(worker.engine, batch)
+    assert proxy is not None, why
+    for copy, original in zip(range(28, 32), (0, 5, 9, 5)):
+        assert torch.equal(proxy[copy], proxy[original])
+    reasons = []
+    real_run = engine_step.run_prepass_and_select
+
+    def run(engine, data, settings, mode):
+        result = real_run(engine, data, settings, mode)
+        reasons.append(reuse.last_reason(engine))
+        return result
+
+    monkeypatch.setattr(engine_step, "run_prepass_and_select", run)
+    metrics = update(worker, batch, mini_batch=16, epochs=2, shuffle=False)
+    regularised = metrics[f"{LP_REG.metric_prefix}regularised"]
+    regularised = getattr(regularised, "values", regularised)
+    assert len(regularised) == 4 and sum(regularised) > 0, regularised  # four steps read the proxy; it acted
+    reused = metrics[f"{LP_REG.metric_prefix}prepass_reused"]
+    assert list(getattr(reused, "values", reused)) == [0.0] * 4
+    # the first minibatch (rows 0-15) holds originals of copies: reuse refuses it, the prepass ran
+    assert reasons[0] == reuse.AMBIGUOUS_ROWS, reasons
+    assert not kept_pass.is_disabled()

@@ -152,6 +152,48 @@ def test_an_update_without_a_log_prob_pass_cannot_read_pi_olds_entropy(worker):
         update(worker, batch)
 
 
+def test_copies_of_a_row_whose_pass_statistics_differ_in_the_last_bit_read_the_first_occurrences_entropy(
+        worker, monkeypatch):
+    """Copies of a row whose pass statistics differ in the last bit (bf16, packed sequences, some CPUs; made certain
+    here): every optimizer step still reads pi_old's entropy, each copy its first occurrence's, instead of raising
+    ``OldPolicyStatisticsError`` on every rank. The log-probs stay each row's own ``old_log_probs``."""
+    from verl_klcov_global.engine import weights
+
+    from verl_klcov_global.layout import padded
+
+    from ..support.copies import copies_one_ulp_apart, with_copies
+    from ..support.workers import _row_key
+
+    use_mode(worker, "high_entropy_global", layout="old", mini_batch=MINI, epochs=EPOCHS)
+    batch = with_copies(rows(35), [3, 3, 20])  # rows 29-31: copies of 3, 3 and 20
+    with copies_one_ulp_apart() as moved:
+        pass_log_probs, pass_entropy = log_prob_pass(worker, batch)
+    assert moved == [3] and len(weights.state_of(worker.engine).kept.ambiguous) == 2
+    assert not torch.equal(pass_log_probs[29], pass_log_probs[3])  # the copies' own statistics differ
+    first = {}
+    for index, row in enumerate(batch["input_ids"].unbind()):
+        first.setdefault(_row_key(row), index)
+    steps = _record_steps(monkeypatch)
+    update(worker, batch, mini_batch=MINI, epochs=EPOCHS, shuffle=False)
+    assert len(steps) == 4
+    config = worker.loss_fn.keywords["config"]
+    mode, settings = global_mode_of(config), global_mode_of(config).read_settings(config)
+    keys_of_batch = [_row_key(row) for row in batch["input_ids"].unbind()]
+    copies_seen = 0
+    for step, (data, result, _) in enumerate(steps):
+        keys = [_row_key(row) for row in data["input_ids"].unbind()]
+        own = list(range(step % 2 * MINI, step % 2 * MINI + MINI))  # no shuffle: the minibatches in order
+        assert keys == [keys_of_batch[i] for i in own]
+        originals = [first[key] for key in keys]
+        copies_seen += sum(a != b for a, b in zip(own, originals))
+        width = result.selection.mask.shape[1]
+        expected = mode.select_minibatch(padded(data["old_log_probs"])[:, :width], data, settings, None,
+                                         entropy=pass_entropy[originals][:, :width])
+        assert torch.equal(result.selection.mask, expected.mask)
+        assert 0 < int(result.selection.mask.sum()) < int(result.selection.num_valid)
+    assert copies_seen == 2 * 3  # the copies' minibatch, in both epochs
+
+
 def test_kl_cov_reads_only_the_old_log_probs_verl_hands_the_update(worker, monkeypatch):
     """Nothing is kept for a mode that reads no entropy: its statistics are the minibatch's own old_log_probs."""
     from verl_klcov_global.engine import reuse

@@ -39,7 +39,7 @@ from verl_klcov_global.config import (
     HighEntropyGlobalPolicyLossConfig,
     KLCovGlobalPolicyLossConfig,
 )
-from verl_klcov_global.engine import prepass as engine_prepass, reuse, step as engine_step
+from verl_klcov_global.engine import kept_pass, prepass as engine_prepass, reuse, step as engine_step, weights
 from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.modes import global_mode_of
 
@@ -154,7 +154,7 @@ class Steps:
             step = {"result": result, "taken": taken[0] if taken else None, "reason": reuse.last_reason(engine),
                     "data": data, "settings": settings}
             if reference:
-                with reuse.disabled(), _recording_prepass_statistics() as stats:
+                with kept_pass.disabled(), _recording_prepass_statistics() as stats:
                     step["reference"] = real_run(engine, data, settings, mode)
                 step["stats"] = stats[0]
             self.steps.append(step)
@@ -253,7 +253,7 @@ def test_a_controlled_step_reuses_the_pass_entropy_and_decides_as_its_prepass_wo
         after = group.pop(control.STATE_KEY)
         if before:
             group[control.STATE_KEY] = before
-        with reuse.disabled():  # the same step from a prepass, from the same controller state
+        with kept_pass.disabled():  # the same step from a prepass, from the same controller state
             reference = real_run(engine, data, settings, mode)
         group[control.STATE_KEY] = after
         outcomes.append((result, reference))
@@ -390,9 +390,9 @@ def test_a_checkpoint_load_between_the_pass_and_the_update_runs_the_prepass(tiny
     batch = rows(15)
     steps = Steps(monkeypatch)
     log_prob_pass(worker, batch)
-    version = reuse.weights_version(worker.engine)
+    version = weights.weights_version(worker.engine)
     worker.load_checkpoint(str(tmp_path / "checkpoint"))  # verl's engine.load_checkpoint: load_state_dict
-    assert reuse.weights_version(worker.engine) > version and reuse.kept_rows(worker.engine) == 0
+    assert weights.weights_version(worker.engine) > version and reuse.kept_rows(worker.engine) == 0
     update(worker, batch)
     assert steps.reused == [False]
     assert "load_state_dict" in steps.steps[0]["reason"]
@@ -482,7 +482,7 @@ def test_workers_whose_loss_is_not_a_global_mode_keep_nothing(tiny_model_path):
             plain.loss_fn = None
         log_prob_pass(plain, rows(20))
         assert reuse.kept_rows(plain.engine) == 0
-        assert plain.engine not in reuse._STATES  # not even hooked: no cost outside the global modes
+        assert plain.engine not in weights._STATES  # not even hooked: no cost outside the global modes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,7 +502,7 @@ def _two_ranks(rank: int, world_size: int, model_path: str):
     def run(engine, data, settings, mode):
         taken.clear()
         result = real_run(engine, data, settings, mode)
-        with reuse.disabled(), _recording_prepass_statistics() as stats:  # on both ranks alike
+        with kept_pass.disabled(), _recording_prepass_statistics() as stats:  # on both ranks alike
             reference = real_run(engine, data, settings, mode)
         if result.reused:  # the premise: the reused statistics are the prepass's, bit for bit
             assert torch.equal(taken[0][0], stats[0][0])

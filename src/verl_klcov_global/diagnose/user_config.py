@@ -95,7 +95,7 @@ class ConfigPlan:
 
 def prepass_counts(config) -> dict:
     """Per trainer step of ``config``: optimizer steps, prepasses run, and prepasses verl's own log-prob pass
-    stands in for (``engine/reuse.py``), with the reason in ``text``; ``{}`` unless a global mode is selected
+    stands in for (``engine/reuse.py``, ``engine/kept_pass.py``), with the reason in ``text``; ``{}`` unless a global mode is selected
     (verl's ``kl_cov`` / ``clip_cov``: counted for the global mode a switch would give, as the findings are).
 
     Every optimizer step makes one selection. verl runs one actor log-prob pass per local update

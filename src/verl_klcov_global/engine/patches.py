@@ -22,13 +22,13 @@ are checked once, at import, by :mod:`verl_klcov_global.seams` (a moved seam rai
   ``verl.workers.engine_workers.TrainingWorker.infer_batch(self, data)`` (~398, what the actor's
   ``compute_log_prob`` calls) so that a pass of an actor whose loss is a global mode with
   ``prepass_layout=infer`` and whose LoRA adapter stays on (no ``no_lora_adapter``) opens
-  :func:`.reuse.log_prob_pass` (with ``prepass_layout=old``, where the mode or the controller reads
+  :func:`.kept_pass.log_prob_pass` (with ``prepass_layout=old``, where the mode or the controller reads
   entropy: held for the whole update, :mod:`.old_policy`); verl's dispatch attributes (``@register``) are kept. Installed by
   :func:`install_reuse`; skipped where verl's engine workers cannot be imported (their web-server
   dependencies missing), where no actor can run either.
 * ``log_prob_pass_keep`` (same processes as ``train_batch_prepass``): wraps
   ``verl.workers.engine.base.BaseEngine.infer_batch(self, data, loss_function=None)`` (~134, inherited
-  by the FSDP engine) to hand its outputs to :func:`.reuse.after_infer_batch`, which keeps them only
+  by the FSDP engine) to hand its outputs to :func:`.kept_pass.after_infer_batch`, which keeps them only
   inside such a pass (on every rank, Ulysses SP included). Installed by :func:`install_reuse`.
 * ``proxy_log_prob_in_pass`` (same processes): wraps
   ``verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs(self, output, output_args,
@@ -40,7 +40,7 @@ are checked once, at import, by :mod:`verl_klcov_global.seams` (a moved seam rai
   where verl has it (0.9.1 and later), ``fsdp1_sharded_load_from_cpu``: the restore of saved weights that
   ``separate_async`` / fully async training make around the log-prob pass
   (``experimental/separation/engine_workers.py`` ~140, imported at call time) bumps the weights version
-  of the engines holding the module (:func:`.reuse.weights_restored`). Installed by :func:`install_reuse`.
+  of the engines holding the module (:func:`.weights.weights_restored`). Installed by :func:`install_reuse`.
 
 The CPU platform that ``diagnose`` and the tests use patches verl and torch too; those patches
 are the lab's, never applied by the plugin, and listed in :mod:`verl_klcov_global.lab.cpu`.
@@ -60,7 +60,7 @@ from .. import driver
 from ..mode_config import OLD_POLICY_LAYOUT
 from ..modes import global_mode_of
 from ..seams import replace_validate_config
-from . import reuse
+from . import kept_pass, weights
 from .proxy import PROXY_REQUEST_KEY, prepare_model_outputs_with_proxy
 from .step import actor_config_of, train_batch_with_prepass
 
@@ -96,11 +96,11 @@ PATCHES: tuple[Patch, ...] = (
     Patch("log_prob_pass_context", "verl.workers.engine_workers.TrainingWorker.infer_batch",
           "verl.workers.engine_workers.TrainingWorker.infer_batch(self, data)",
           "every process that imports the plugin and can import verl's engine workers (permanent)",
-          "engine.patches.install_reuse -> engine.reuse.log_prob_pass"),
+          "engine.patches.install_reuse -> engine.kept_pass.log_prob_pass"),
     Patch("log_prob_pass_keep", "verl.workers.engine.base.BaseEngine.infer_batch",
           "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead inherits BaseEngine.infer_batch",
           "every process that imports the plugin (permanent); keeps only inside log_prob_pass_context",
-          "engine.reuse.after_infer_batch"),
+          "engine.kept_pass.after_infer_batch"),
     Patch("proxy_log_prob_in_pass", "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs",
           "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs(self, output, "
           "output_args, micro_batch, logits_processor_func)",
@@ -110,7 +110,7 @@ PATCHES: tuple[Patch, ...] = (
           "verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu (and fsdp1_sharded_load_from_cpu where defined)",
           "verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu(model, cpu_sharded_state, target_spec) / "
           "fsdp1_sharded_load_from_cpu(model, cpu_sharded_state)",
-          "every process that imports the plugin (permanent)", "engine.reuse.weights_restored"),
+          "every process that imports the plugin (permanent)", "engine.weights.weights_restored"),
 )
 
 
@@ -171,7 +171,7 @@ def install_driver_checks() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reuse of verl's log-prob pass (engine/reuse.py)
+# Reuse of verl's log-prob pass (engine/kept_pass.py, engine/reuse.py)
 
 #: verl's sharded restore helpers PATCH ``weight_restore_bumps_version`` wraps (module verl.utils.fsdp_utils)
 RESTORE_HELPERS = ("fsdp1_sharded_load_from_cpu", "fsdp2_sharded_load_from_cpu")
@@ -187,7 +187,7 @@ def _training_worker_class():
 
 
 def _log_prob_pass_of(worker, data):
-    """:func:`.reuse.log_prob_pass` for this ``TrainingWorker.infer_batch`` call, or a null context.
+    """:func:`.kept_pass.log_prob_pass` for this ``TrainingWorker.infer_batch`` call, or a null context.
 
     A mode that reads Lp-Reg's proxy (``ModeSpec.proxy_min_p``) keeps and holds the pass in every layout, with
     :data:`.proxy.PROXY_REQUEST_KEY` set on the batch for the pass (PATCH ``proxy_log_prob_in_pass``)."""
@@ -212,12 +212,12 @@ def _log_prob_pass_of(worker, data):
         keep = mode.reads_entropy(settings)
         if not keep and not reads_batch_entropy:
             return contextlib.nullcontext()  # old_log_probs travel with the batch: nothing to keep
-        return reuse.log_prob_pass(engine, keep_entropy=True, hold=True, keep=keep, batch_entropy=reads_batch_entropy)
+        return kept_pass.log_prob_pass(engine, keep_entropy=True, hold=True, keep=keep, batch_entropy=reads_batch_entropy)
     if settings.prepass_layout != "infer":
         if not reads_batch_entropy:
             return contextlib.nullcontext()
-        return reuse.log_prob_pass(engine, keep_entropy=False, keep=False, batch_entropy=True)
-    return reuse.log_prob_pass(engine, keep_entropy=mode.reads_entropy(settings), batch_entropy=reads_batch_entropy)
+        return kept_pass.log_prob_pass(engine, keep_entropy=False, keep=False, batch_entropy=True)
+    return kept_pass.log_prob_pass(engine, keep_entropy=mode.reads_entropy(settings), batch_entropy=reads_batch_entropy)
 
 
 @contextlib.contextmanager
@@ -227,7 +227,7 @@ def proxy_log_prob_pass(engine, data: TensorDict, min_p: float, *, keep_entropy:
 
     tu.assign_non_tensor(data, **{PROXY_REQUEST_KEY: float(min_p)})
     try:
-        with reuse.log_prob_pass(engine, keep_entropy=keep_entropy, keep_proxy=True, batch_entropy=batch_entropy):
+        with kept_pass.log_prob_pass(engine, keep_entropy=keep_entropy, keep_proxy=True, batch_entropy=batch_entropy):
             yield
     finally:
         if PROXY_REQUEST_KEY in data.keys():
@@ -263,7 +263,7 @@ def install_reuse() -> None:
         @functools.wraps(current_infer)
         def infer_batch(self, data: TensorDict, loss_function: Callable = None, *args, **kwargs) -> Any:
             outputs = current_infer(self, data, loss_function, *args, **kwargs)
-            reuse.after_infer_batch(self, data, outputs)
+            kept_pass.after_infer_batch(self, data, outputs)
             return outputs
 
         setattr(infer_batch, ORIGINAL_ATTR, current_infer)
@@ -282,7 +282,7 @@ def _restore_wrapper(current: Callable) -> Callable:
         try:
             return current(model, *args, **kwargs)
         finally:  # even a restore that failed halfway has written some parameters
-            reuse.weights_restored(model)
+            weights.weights_restored(model)
 
     setattr(restore, ORIGINAL_ATTR, current)
     return restore

@@ -9,7 +9,7 @@ of ``FSDPEngineWithLMHead.prepare_model_outputs(self, output, output_args, micro
 ``output.logits`` before verl's own code (which may scale them in place by the temperature) and adds
 :data:`PROXY_OUTPUT_KEY` to the model output. verl's ``postprocess_batch_func`` concatenates every model-output key
 of the micro-batches and undoes dynamic batching's reordering, so the key arrives per row like ``log_probs``;
-:func:`.reuse.after_infer_batch` keeps it for the update and removes it from what verl returns.
+:func:`.kept_pass.after_infer_batch` keeps it for the update and removes it from what verl returns.
 
 It runs only where the micro-batch carries the non-tensor key :data:`PROXY_REQUEST_KEY` (the min-p threshold
 kappa), set by PATCH ``log_prob_pass_context`` for the pass of an actor whose loss is ``lp_reg_global``.

@@ -248,14 +248,14 @@ def _store_comparator_proxy(engine, td: TensorDict, actor_config) -> None:
     log-prob pass of pi_old that its global mode holds, stored as the per-token field ``PROXY_FIELD`` of ``td``
     (verl's split carries each micro-batch's slice to the comparator's loss call)."""
     from ..mode_config import PROXY_FIELD
-    from ..engine import reuse
+    from ..engine import kept_pass, reuse
     from ..engine.proxy import PROXY_REQUEST_KEY
     from ..layout import values_in_layout_of
 
     loss_mode = actor_config.policy_loss.get("loss_mode", "vanilla")
     mode = upstream_counts(loss_mode)  # the global mode whose upstream it is: the comparator takes its knobs
     min_p = float(mode.proxy_min_p(mode.read_settings(actor_config)))
-    log_prob_pass(engine, td, reuse.log_prob_pass(engine, keep_entropy=False, keep_proxy=True),
+    log_prob_pass(engine, td, kept_pass.log_prob_pass(engine, keep_entropy=False, keep_proxy=True),
                   extra={PROXY_REQUEST_KEY: min_p})
     proxy, why = reuse.held_proxy(engine, td)
     if proxy is None:
@@ -265,7 +265,7 @@ def _store_comparator_proxy(engine, td: TensorDict, actor_config) -> None:
 
 def hold_old_policy_pass(engine, td: TensorDict, actor_config) -> None:
     """The log-prob pass verl's trainer would run before the update (``calculate_entropy=True``, here on the fresh
-    engine: pi_old), seen by the plugin as PATCH ``log_prob_pass_context`` sees verl's (``engine/reuse.py``), where
+    engine: pi_old), seen by the plugin as PATCH ``log_prob_pass_context`` sees verl's (``engine/kept_pass.py``), where
     the config reads it: ``prepass_layout=old`` with a step that reads entropy (held for the update), or a mode with
     a once-per-trainer-step rule (``ModeSpec.update_rule``: STARE's gate reads the batch's entropy). Nothing for any
     other config.
@@ -275,7 +275,7 @@ def hold_old_policy_pass(engine, td: TensorDict, actor_config) -> None:
     diagnose compares (where a row's last bits follow its micro-batch company they would otherwise differ, and a
     near-tie of the selection could flip)."""
     from ..mode_config import OLD_POLICY_LAYOUT
-    from ..engine import reuse
+    from ..engine import kept_pass
     from ..modes import global_mode_of
 
     mode = global_mode_of(actor_config)
@@ -285,20 +285,20 @@ def hold_old_policy_pass(engine, td: TensorDict, actor_config) -> None:
     if mode.proxy_min_p is not None:  # Lp-Reg's proxy from pi_old's logits, held for the update
         from ..engine.proxy import PROXY_REQUEST_KEY
 
-        log_prob_pass(engine, td, reuse.log_prob_pass(engine, keep_entropy=mode.reads_entropy(settings),
-                                                      keep_proxy=True, batch_entropy=mode.reads_batch_entropy),
+        log_prob_pass(engine, td, kept_pass.log_prob_pass(engine, keep_entropy=mode.reads_entropy(settings),
+                                                          keep_proxy=True, batch_entropy=mode.reads_batch_entropy),
                       extra={PROXY_REQUEST_KEY: float(mode.proxy_min_p(settings))})
         return
     hold = settings.prepass_layout == OLD_POLICY_LAYOUT and mode.reads_entropy(settings)
     if not hold and not mode.reads_batch_entropy:
         return
-    log_prob_pass(engine, td, reuse.log_prob_pass(engine, keep_entropy=True, hold=True, keep=hold,
-                                                  batch_entropy=mode.reads_batch_entropy))
+    log_prob_pass(engine, td, kept_pass.log_prob_pass(engine, keep_entropy=True, hold=True, keep=hold,
+                                                      batch_entropy=mode.reads_batch_entropy))
 
 
 def log_prob_pass(engine, td: TensorDict, context=None, extra: Optional[dict] = None) -> TensorDict:
     """verl's actor log-prob pass on ``td`` (``compute_log_prob``: ``calculate_entropy=True``, the engine's log-prob
-    inference micro-batching, eval mode), inside ``context`` (a :func:`verl_klcov_global.engine.reuse.log_prob_pass`
+    inference micro-batching, eval mode), inside ``context`` (a :func:`verl_klcov_global.engine.kept_pass.log_prob_pass`
     block, or none), with the non-tensor keys ``extra`` on its copy of ``td``; returns its outputs (``model_output``
     with nested ``log_probs`` and ``entropy``).
 
