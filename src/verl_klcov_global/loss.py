@@ -50,7 +50,7 @@ class SelectionMaskUnavailableError(RuntimeError):
 class _ProvidedMask:
     mask: torch.Tensor
     figures: dict[str, float] = field(default_factory=dict)
-    settings: Any = None  # the step's settings where a rule moved them (ModeSpec.update_rule), else None
+    settings: Any = None  # the settings the step's selection used (the engine always provides them), else None
     token_fields: dict[str, torch.Tensor] = field(default_factory=dict)  # per-token inputs of the objective
 
 
@@ -90,7 +90,9 @@ def provide_selection_mask(mask: torch.Tensor, figures: Optional[dict[str, float
         figures: optional scalar figures of the selection (``Selection.figures()``), reported
             by the loss under its mode's metric prefix (e.g. ``actor/kl_cov/``).
         settings: optional, the settings this optimizer step's loss applies in place of those read from the actor
-            config (a mode whose ``update_rule`` moves them once per trainer step: STARE's gate, W and M).
+            config: the engine always passes those its selection used (STARE's gate, W and M; the entropy
+            controller's ratio in use; the optimizer step), so mask and loss read one set of settings. None: the
+            loss reads the actor config (a direct call).
         token_fields: optional per-token tensors, each shaped like ``mask``, that the mode's objective takes as
             keyword arguments (``lp_reg_global``: ``proxy_log_prob``, Lp-Reg's proxy).
     """
@@ -144,17 +146,17 @@ def global_policy_loss(mode: Any) -> Callable[..., tuple[torch.Tensor, dict[str,
     tensors are (batch, response_len) for one micro-batch. It reads ``mode.read_settings(config)``,
     takes the micro-batch's mask from :func:`provide_selection_mask` (else raises
     ``mode.no_mask_error``), applies ``mode.objective``, multiplies by ``rollout_is_weights`` when
-    given and aggregates with ``agg_loss(..., loss_agg_mode, **config.global_batch_info)``.
+    given and aggregates with ``agg_loss(..., loss_agg_mode, **config.global_batch_info)``. Where the channel carries
+    settings (the engine's: those the step's selection used), the objective applies them, not the config's.
 
     Returns ``(pg_loss, metrics)``: the objective's metrics, ``<prefix>selected_in_micro_batch``
     (tokens of this micro-batch's mask) and the selection figures under ``mode.metric_prefix``.
     """
 
     def compute(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights):
-        settings = mode.read_settings(config)
         provided = _current_mask(response_mask, mode.name, mode.no_mask_error)
-        if provided.settings is not None:  # moved once per trainer step by the mode's update_rule (engine/schedule.py)
-            settings = provided.settings
+        # the settings the step's selection used (engine/step.py); the config's only for a direct call
+        settings = provided.settings if provided.settings is not None else mode.read_settings(config)
         pg_losses, metrics = mode.objective(old_log_prob, log_prob, advantages, response_mask, provided.mask,
                                             settings, **provided.token_fields)
         pg_loss = aggregate_policy_loss(pg_losses, response_mask, loss_agg_mode, config, rollout_is_weights)

@@ -126,7 +126,11 @@ class ModeSpec:
       other knob of a built-in mode gets a flag generated from its config-class field, ``--<knob>``, and a key of the
       report's options);
     * ``knobs_text(values) -> str``: the mode's knobs on ``diagnose``'s report line, from ``values`` (each of its
-      knobs with a flag -> the value used); None: ``knob value`` for each, ``" | "`` between them.
+      knobs with a flag -> the value used); None: ``knob value`` for each, ``" | "`` between them;
+    * ``reads_optimizer_step``: the mode's settings have a field ``optimizer_step``, which the engine sets at every
+      optimizer step to its count of the actor's global-mode optimizer steps before it (:mod:`.engine.step_count`:
+      the same on every rank and for any micro-batching, saved with the optimizer), e.g. so that a seeded draw is
+      fresh at every step.
     """
 
     name: str
@@ -164,6 +168,7 @@ class ModeSpec:
     ratio_units_note: str = ""
     knobs_without_diagnose_flag: tuple[str, ...] = ()
     knobs_text: Optional[Callable[[dict[str, Any]], str]] = None
+    reads_optimizer_step: bool = False
 
     def __repr__(self) -> str:
         return f"ModeSpec({self.name!r})"

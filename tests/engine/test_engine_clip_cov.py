@@ -255,3 +255,35 @@ def test_metrics_of_a_clip_cov_global_step(tiny_model_path):
         assert f"actor/clip_cov/{name}" in outcome.metrics, name
     assert "actor/pg_clipfrac" in outcome.metrics and "actor/ppo_kl" in outcome.metrics
     assert not any(name.startswith("actor/kl_cov/") for name in outcome.metrics)
+
+
+def test_every_optimizer_step_draws_afresh_and_the_training_micro_batches_do_not_change_the_draw(tiny_model_path):
+    """Upstream draws afresh on every loss call. The global draw is seeded with the actor's optimizer-step count:
+    with 2 PPO epochs over one minibatch at learning rate 0 (the same candidates in both epochs), the two optimizer
+    steps cut different tokens, and training micro-batches of 16 and 4 rows cut the same tokens at each step."""
+    import functools
+
+    from verl.workers.utils.losses import ppo_loss
+
+    from verl_klcov_global.engine.step import observe_selections
+
+    from ..support.workers import build_training_worker
+    from .test_reuse import ROWS, log_prob_pass, rows, update
+
+    policy_loss = ClipCovGlobalPolicyLossConfig(clip_cov_ratio=0.02, clip_cov_lb=0.0, clip_cov_ub=5.0)
+    selections = {}
+    for micro in (16, 4):
+        worker = build_training_worker(tiny_model_path, lr=0.0, micro_batch_size_per_gpu=micro)
+        config = _tiny.make_actor_config(policy_loss=policy_loss, ppo_mini_batch_size=ROWS, ppo_epochs=2, **CLIP)
+        worker.set_loss_fn(functools.partial(ppo_loss, config=config))
+        batch = rows(51)
+        log_prob_pass(worker, batch)
+        seen = []
+        with observe_selections(lambda _engine, result: seen.append(result.selection)):
+            update(worker, batch, mini_batch=ROWS, epochs=2, shuffle=False)
+        selections[micro] = seen
+    for a, b in zip(selections[16], selections[4], strict=True):
+        assert torch.equal(a.mask, b.mask)
+    first, second = selections[16]
+    assert first.num_candidates == second.num_candidates > first.num_selected == second.num_selected > 0
+    assert not torch.equal(first.mask, second.mask)

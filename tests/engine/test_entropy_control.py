@@ -238,3 +238,31 @@ def test_a_target_no_policy_reaches_stops_the_first_step_with_the_key(tiny_model
     with engine.train_mode(), pytest.raises(ValueError, match=r"entropy_target=.*ln\(vocabulary size\)"):
         engine.train_batch(batch.copy(), loss_function=functools.partial(ppo_loss, config=config))
     assert engine_control.STATE_KEY not in engine.optimizer.param_groups[0]  # nothing stored, nothing trained
+
+
+def test_every_micro_batchs_loss_applies_the_ratio_the_controller_steered_its_selection_to(tiny_model_path,
+                                                                                           monkeypatch):
+    """Below the floor the controller strengthens KL-Cov beyond the user's ratio for the step's selection; every
+    micro-batch's loss of that step gets the very settings the selection used through the mask channel, never the
+    config's, so an objective that reads a steered knob cannot disagree with its own mask."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    from verl_klcov_global import loss as plugin_loss
+
+    worker = build_training_worker(tiny_model_path)
+    batch = _batch(worker, 16, seed=7, mini_batch_size=8)
+    seen = []
+    real = POLICY_LOSS_REGISTRY["kl_cov_global"]
+
+    def recorded(**kwargs):
+        seen.append(plugin_loss.provided_selection().settings)
+        return real(**kwargs)
+
+    monkeypatch.setitem(POLICY_LOSS_REGISTRY, "kl_cov_global", recorded)
+    _, steps = _train(worker, batch, "kl_cov_global", micro_batch_size=4, mini_batch_size=8)
+    assert len(steps) == 2 and len(seen) == 4  # 2 optimizer steps of 2 micro-batches
+    configured = CONFIGS["kl_cov_global"][1]["kl_cov_ratio"]
+    for index, (_, steering) in enumerate(steps):
+        assert steering.decision.ratio_in_use > configured  # steered beyond the user's ratio
+        for settings in seen[2 * index: 2 * index + 2]:
+            assert settings == steering.settings and settings.kl_cov_ratio == steering.decision.ratio_in_use

@@ -62,8 +62,9 @@ def test_splitmix64_reference_matches_the_published_first_output():
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**53 - 1), rows=st.lists(
     st.lists(st.one_of(st.integers(0, 600), st.integers(0, 2**32 - 1), st.integers(-(2**62), 2**62)),
-             min_size=0, max_size=12), min_size=1, max_size=5), left_pad=st.integers(0, 3))
-def test_torch_keys_equal_the_pure_python_definition(seed, rows, left_pad):
+             min_size=0, max_size=12), min_size=1, max_size=5), left_pad=st.integers(0, 3),
+       step=st.one_of(st.just(0), st.integers(1, 2**53 - 1)))
+def test_torch_keys_equal_the_pure_python_definition(seed, rows, left_pad, step):
     width = left_pad + max(len(r) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.int64)
     mask = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -73,20 +74,25 @@ def test_torch_keys_equal_the_pure_python_definition(seed, rows, left_pad):
     ids[~mask] = 12345  # padding content must not matter
     high, low = sequence_hashes(ids, mask)
     positions = torch.arange(7).expand(len(rows), 7)
-    keys = token_keys(seed, (high[:, None].expand(-1, 7), low[:, None].expand(-1, 7)), positions)
-    expected = [[token_key_reference(seed, row, t) for t in range(7)] for row in rows]
+    keys = token_keys(seed, (high[:, None].expand(-1, 7), low[:, None].expand(-1, 7)), positions, step)
+    expected = [[token_key_reference(seed, row, t, step) for t in range(7)] for row in rows]
     assert keys.tolist() == expected
-    again = token_keys(seed, sequence_hashes(ids.clone(), mask.clone()), torch.full((len(rows),), 3))
+    again = token_keys(seed, sequence_hashes(ids.clone(), mask.clone()), torch.full((len(rows),), 3), step)
     assert again.tolist() == [e[3] for e in expected]
 
 
-def test_keys_depend_on_seed_tokens_and_position():
+def test_keys_depend_on_seed_step_tokens_and_position():
     ids = torch.arange(10).reshape(2, 5)
     hashes = sequence_hashes(ids)
     base = token_keys(0, hashes, torch.zeros(2, dtype=torch.int64))
     assert base[0] != base[1]  # different sequences
     assert not torch.equal(base, token_keys(1, hashes, torch.zeros(2, dtype=torch.int64)))  # seed
     assert not torch.equal(base, token_keys(0, hashes, torch.ones(2, dtype=torch.int64)))  # position
+    assert torch.equal(base, token_keys(0, hashes, torch.zeros(2, dtype=torch.int64), 0))  # step 0: the seed's draw
+    assert not torch.equal(base, token_keys(0, hashes, torch.zeros(2, dtype=torch.int64), 1))  # optimizer step
+    # seed s at step t and seed t at step s are different draws (the step's stream is tagged)
+    assert not torch.equal(token_keys(1, hashes, torch.zeros(2, dtype=torch.int64), 2),
+                           token_keys(2, hashes, torch.zeros(2, dtype=torch.int64), 1))
     swapped = sequence_hashes(ids[:, [1, 0, 2, 3, 4]])  # token order matters
     assert not torch.equal(token_keys(0, swapped, torch.zeros(2, dtype=torch.int64)), base)
 
@@ -172,6 +178,18 @@ def test_repeated_calls_are_identical_and_leave_the_global_rng_alone():
     assert not torch.equal(select(inputs, clip_cov_ratio=0.01, clip_cov_lb=0.0, seed=1).mask, first.mask)
 
 
+def test_each_optimizer_step_draws_afresh_among_the_same_candidates():
+    """The same minibatch at optimizer steps 0, 1, 2, ... (later PPO epochs): the same candidates and quota, a new
+    draw at every step; a step drawn twice gives the same tokens."""
+    inputs = clip_cov_inputs(5, 16, 24)
+    draws = [select(inputs, clip_cov_ratio=0.01, clip_cov_lb=0.0, optimizer_step=step) for step in range(4)]
+    assert len({(d.num_candidates, d.num_selected) for d in draws}) == 1 and draws[0].num_selected < draws[0].num_candidates
+    masks = [d.mask for d in draws]
+    assert all(not torch.equal(masks[i], masks[j]) for i in range(4) for j in range(i))
+    assert torch.equal(select(inputs, clip_cov_ratio=0.01, clip_cov_lb=0.0).mask, masks[0])  # step 0 by default
+    assert torch.equal(select(inputs, clip_cov_ratio=0.01, clip_cov_lb=0.0, optimizer_step=3).mask, masks[3])
+
+
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10_000), extra_padding=st.integers(0, 5), data=st.data())
 def test_the_draw_follows_the_sequences_not_their_order_or_padding(seed, extra_padding, data):
@@ -235,22 +253,25 @@ def test_sampler_is_uniform_over_k_subsets_across_seeds(capsys):
 
 @pytest.mark.slow  # ~18 s: 2,000 selections
 def test_sampler_marginals_are_uniform_across_seeds_and_across_sequences(capsys):
-    """60 candidates, quota 6: every candidate is chosen 1/10 of the time, over seeds and over token ids."""
+    """60 candidates, quota 6: every candidate is chosen 1/10 of the time, over seeds, token ids and optimizer steps."""
     inputs, window = _uniform_inputs(6, 10)
     draws = 1000
-    by_seed, by_tokens = [0] * 60, [0] * 60
+    by_seed, by_tokens, by_step = [0] * 60, [0] * 60, [0] * 60
     gen = random.Random(0)
     for i in range(draws):
         by_seed = [c + int(x) for c, x in zip(by_seed, select(inputs, clip_cov_ratio=0.1, seed=i, **window)
                                               .mask.reshape(-1).tolist())]
+        by_step = [c + int(x) for c, x in zip(by_step, select(inputs, clip_cov_ratio=0.1, optimizer_step=i, **window)
+                                              .mask.reshape(-1).tolist())]
         fresh = {**inputs, "token_ids": torch.tensor([[gen.randrange(3, 500) for _ in range(15)] for _ in range(6)])}
         by_tokens = [c + int(x) for c, x in zip(by_tokens, select(fresh, clip_cov_ratio=0.1, **window)
                                                 .mask.reshape(-1).tolist())]
-    assert sum(by_seed) == sum(by_tokens) == 6 * draws
-    results = [_chi_square(counts, draws * 6 / 60) for counts in (by_seed, by_tokens)]
+    assert sum(by_seed) == sum(by_tokens) == sum(by_step) == 6 * draws
+    results = [_chi_square(counts, draws * 6 / 60) for counts in (by_seed, by_tokens, by_step)]
     with capsys.disabled():
         print(f"\n[sampler marginals, 60 candidates, quota 6, {draws} draws] over seeds chi2 = {results[0][0]:.1f}, "
-              f"p = {results[0][1]:.3f}; over token ids chi2 = {results[1][0]:.1f}, p = {results[1][1]:.3f} (59 dof)")
+              f"p = {results[0][1]:.3f}; over token ids chi2 = {results[1][0]:.1f}, p = {results[1][1]:.3f}; over "
+              f"optimizer steps chi2 = {results[2][0]:.1f}, p = {results[2][1]:.3f} (59 dof)")
     assert all(p > P_VALUE_FLOOR for _, p in results)
 
 
@@ -279,6 +300,12 @@ def test_bad_window(lb, ub, match):
 def test_bad_seed(seed):
     with pytest.raises(ValueError, match=r"clip_cov_seed must be an integer in \[0, 2\*\*53\).*policy_loss.clip_cov_seed, e.g. =0"):
         select(clip_cov_inputs(0, 2, 3), seed=seed)
+
+
+@pytest.mark.parametrize("step", [-1, 2**53, 1.0, True, None])
+def test_bad_optimizer_step(step):
+    with pytest.raises(ValueError, match=r"the draw's optimizer step must be an integer in \[0, 2\*\*53\)"):
+        select(clip_cov_inputs(0, 2, 3), optimizer_step=step)
 
 
 @pytest.mark.parametrize("key", ["clip_ratio_low", "clip_ratio_high"])

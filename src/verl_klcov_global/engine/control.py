@@ -50,12 +50,12 @@ STATE_KEY = "verl_klcov_global_entropy_control"
 
 def first_param_group(engine: BaseEngine) -> dict:
     """The engine's optimizer's first parameter group, where the plugin keeps per-engine state that verl's
-    checkpoints must carry (the controller's, :data:`STATE_KEY`; a mode's update rule's, :mod:`.schedule`)."""
+    checkpoints must carry (the controller's, :data:`STATE_KEY`; a mode's update rule's, :mod:`.schedule`; the
+    optimizer step count of a per-step draw, :mod:`.step_count`)."""
     optimizer = getattr(engine, "optimizer", None)
     if optimizer is None or not optimizer.param_groups:
-        raise RuntimeError("the entropy controller and a mode's once-per-trainer-step rule keep their state in the "
-                           "actor's optimizer, and "
-                           "this engine has "
+        raise RuntimeError("the entropy controller, a mode's once-per-trainer-step rule and a per-step draw keep their "
+                           "state in the actor's optimizer, and this engine has "
                            f"none ({type(engine).__name__}): it trains no parameters")
     return optimizer.param_groups[0]
 

@@ -100,7 +100,9 @@ class PrepassResult:
     (its decision and the settings the selection used), None with the controller off. ``reused``: no
     prepass ran, the statistics are verl's own log-prob pass's (:mod:`.reuse`); then ``prepass_seconds``
     is 0 and ``selection_seconds`` includes the look-up. ``from_old_policy``: ``prepass_layout=old``, no prepass,
-    the statistics are pi_old's (:mod:`.old_policy`; ``prepass_seconds`` 0, ``reused`` False).
+    the statistics are pi_old's (:mod:`.old_policy`; ``prepass_seconds`` 0, ``reused`` False). ``settings``: the
+    settings the selection used (the controller's ratio in use where it steered): what every micro-batch's loss of
+    the step applies.
     """
 
     selection: Selection
@@ -111,6 +113,7 @@ class PrepassResult:
     steering: Optional[Steering] = None
     reused: bool = False
     from_old_policy: bool = False
+    settings: Any = None
 
     def figures(self) -> dict[str, float]:
         """The step's figures for logging (names without the mode's prefix): the selection's, the controller's."""
@@ -160,7 +163,7 @@ def run_prepass_and_select(engine: BaseEngine, data: TensorDict, settings: Any, 
     return PrepassResult(
         selection=selection, prepass_seconds=prepass_seconds, selection_seconds=finished - selected_at,
         mode=mode, optimizer_states_offloaded=offloaded, steering=steering, reused=reused is not None,
-        from_old_policy=from_old_policy,
+        from_old_policy=from_old_policy, settings=settings,
     )
 
 

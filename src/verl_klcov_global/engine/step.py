@@ -15,10 +15,13 @@ verl's own step it:
    minibatch, in the layout of ``response_mask`` (nested or padded), so verl's micro-batch
    splitting (static or dynamic, which reorders samples) carries each slice to its micro-batch;
 3. calls verl's ``train_batch`` with the loss function wrapped so that each micro-batch's loss
-   call runs inside ``provide_selection_mask(<its slice>)`` (:mod:`verl_klcov_global.loss`).
+   call runs inside ``provide_selection_mask(<its slice>, settings=<the settings the selection used>)``
+   (:mod:`verl_klcov_global.loss`): the loss never re-reads the config, so it cannot disagree with its own mask.
 
-A mode with a once-per-trainer-step rule (``ModeSpec.update_rule``: STARE's gate and weights) first gets this
-step's settings from :func:`.schedule.settings_for_step`; the selection and every micro-batch's loss use them.
+The step's settings are the config's, then moved by what the mode's row asks for, in this order: a once-per-trainer-
+step rule (``ModeSpec.update_rule``: STARE's gate and weights, :func:`.schedule.settings_for_step`), the optimizer
+step count (``ModeSpec.reads_optimizer_step``: Clip-Cov's per-step draw, :mod:`.step_count`), the entropy
+controller's ratio (:mod:`.control`, inside the prepass). The selection and every micro-batch's loss use the result.
 
 Every other loss mode runs verl's ``train_batch`` untouched.
 
@@ -43,6 +46,7 @@ The loss writes one per-micro-batch metric, ``selected_in_micro_batch``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -60,6 +64,7 @@ from ..seams import known_versions_text
 from . import reuse
 from .prepass import PrepassResult, run_prepass_and_select
 from .schedule import settings_for_step
+from .step_count import next_optimizer_step
 
 __all__ = ["ProxyUnavailableError", "UnsupportedEngineError", "actor_config_of", "observe_selections", "require_supported_engine",
            "train_batch_with_prepass"]
@@ -108,10 +113,11 @@ def train_batch_with_prepass(original: Callable, engine: BaseEngine, data: Tenso
     # verl's train_batch starts with this very call (set_to_none): made before the prepass, it frees
     # the previous step's gradients for it instead of after it.
     engine.optimizer_zero_grad()
-    rule_figures, step_settings = {}, None
+    rule_figures = {}
     if mode.update_rule is not None:  # once per trainer step, read at every optimizer step (engine/schedule.py)
         settings, rule_figures = settings_for_step(engine, mode, settings)
-        step_settings = settings
+    if mode.reads_optimizer_step:  # e.g. a seeded draw, fresh at every optimizer step (engine/step_count.py)
+        settings = dataclasses.replace(settings, optimizer_step=next_optimizer_step(engine))
     proxy = _held_proxy(engine, data, mode) if mode.proxy_min_p is not None else None
     prepass = run_prepass_and_select(engine, data, settings, mode)
     for observer in list(_SELECTION_OBSERVERS):
@@ -122,7 +128,7 @@ def train_batch_with_prepass(original: Callable, engine: BaseEngine, data: Tenso
         data[PROXY_FIELD] = values_in_layout_of(proxy, data["response_mask"], dtype=torch.float32)
         token_fields["proxy_log_prob"] = PROXY_FIELD
     try:
-        outputs = original(engine, data, functools.partial(_loss_with_mask_slice, loss_function, step_settings,
+        outputs = original(engine, data, functools.partial(_loss_with_mask_slice, loss_function, prepass.settings,
                                                            _token_fields=token_fields))
     finally:
         del data[MASK_FIELD]
@@ -196,9 +202,9 @@ def _tally_figures(engine: BaseEngine, outputs: Any, mode: ModeSpec, prepass: Pr
 
 def _loss_with_mask_slice(loss_function: Callable, step_settings: Any, *args, _token_fields: Optional[dict] = None,
                           **kwargs):
-    """verl's loss function, called inside ``provide_selection_mask`` with this micro-batch's mask slice (and the
-    step's settings where the mode's ``update_rule`` moved them, else None; and ``_token_fields``, objective argument ->
-    per-token minibatch field, each sliced like the mask: the proxy of a mode with ``proxy_min_p``).
+    """verl's loss function, called inside ``provide_selection_mask`` with this micro-batch's mask slice, the settings
+    the step's selection used (``step_settings``), and ``_token_fields`` (objective argument -> per-token minibatch
+    field, each sliced like the mask: the proxy of a mode with ``proxy_min_p``).
 
     verl also passes the same function as a logits processor for top-k distillation
     (``logits_processor_func(student_logits=..., data=...)``, verl 0.9.1

@@ -1,10 +1,11 @@
-"""Sampling keys that are a pure function of (seed, a sequence's token ids, a token's position).
+"""Sampling keys that are a pure function of (seed, optimizer step, a sequence's token ids, a token's position).
 
 Sampling ``k`` of ``n`` candidates uniformly without replacement = keeping the ``k`` largest of
 ``n`` independent uniform keys. Here the keys are 64-bit hashes, so the draw is a pure function
-of the tokens themselves: the same minibatch gives the same keys whatever the micro-batching,
-the sample order, the data-parallel split or the number of earlier calls, and any other
-sequence gets an independent draw. No RNG state is read or advanced.
+of the tokens themselves and of the optimizer step it is made for: the same minibatch at the same
+optimizer step gives the same keys whatever the micro-batching, the sample order or the
+data-parallel split; another sequence, or the same one at another optimizer step (a later PPO
+epoch), gets an independent draw. No RNG state is read or advanced.
 
 The mixing function is splitmix64's (Steele, Lea, Flood 2014; ``x + 0x9E3779B97F4A7C15``
 then two xor-shift-multiply rounds). torch has no unsigned 64-bit arithmetic on every device,
@@ -18,11 +19,13 @@ Definitions (all arithmetic modulo 2**64; ``ids`` are the sequence's real tokens
 each taken modulo 2**32):
 
 * ``sequence_hash = splitmix64(sum_j splitmix64(j * 2**32 + ids[j]))``
-* ``row = splitmix64(sequence_hash ^ splitmix64(seed))``
+* ``draw = splitmix64(seed)`` at optimizer step 0, ``splitmix64(seed) ^ splitmix64(step ^ STEP_TAG)`` at step
+  ``step >= 1`` (:data:`STEP_TAG` keeps the steps' stream apart from the seeds'; step 0 is the seed alone)
+* ``row = splitmix64(sequence_hash ^ draw)``
 * ``key(t) = splitmix64(row ^ splitmix64(t))`` for the token at response position ``t``,
   returned as the signed int64 with the same 64 bits.
 
-Two exactly identical sequences get identical keys (a tie, broken by minibatch order in
+Two exactly identical sequences get identical keys at one step (a tie, broken by minibatch order in
 :func:`.collectives.select_largest_keys`).
 """
 
@@ -34,6 +37,8 @@ import torch
 
 __all__ = [
     "MAX_SEED",
+    "STEP_TAG",
+    "draw_state",
     "sequence_hashes",
     "token_keys",
     "splitmix64_reference",
@@ -46,8 +51,11 @@ _M64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
 _MUL1 = 0xBF58476D1CE4E5B9
 _MUL2 = 0x94D049BB133111EB
-#: Seeds are integers in [0, MAX_SEED): exact in float64, so ranks can agree on them (agree_and_mean).
+#: Seeds and optimizer steps are integers in [0, MAX_SEED): exact in float64, so ranks can agree on them
+#: (agree_and_mean).
 MAX_SEED = 1 << 53
+#: Mixed into an optimizer step before it is hashed ("STEPSTEP" in ASCII), so step s and seed s give other draws.
+STEP_TAG = 0x5354455053544550
 
 _Pair = tuple[torch.Tensor, torch.Tensor]  # (high 32 bits, low 32 bits), each int64 in [0, 2**32)
 
@@ -139,18 +147,27 @@ def sequence_hashes(token_ids: torch.Tensor, token_mask: Optional[torch.Tensor] 
     return _splitmix64(((sum_high + (sum_low >> 32)) & _M32, sum_low & _M32))
 
 
-def token_keys(seed: int, hashes: _Pair, positions: torch.Tensor) -> torch.Tensor:
+def draw_state(seed: int, optimizer_step: int = 0) -> int:
+    """The draw's 64-bit state ``draw`` (see the module docstring) for ``seed`` at ``optimizer_step``, both integers
+    in [0, :data:`MAX_SEED`)."""
+    for name, value in (("seed", seed), ("optimizer_step", optimizer_step)):
+        if not (0 <= value < MAX_SEED):
+            raise ValueError(f"{name} must be in [0, 2**53), got {value}")
+    state = splitmix64_reference(seed)
+    return state ^ splitmix64_reference(optimizer_step ^ STEP_TAG) if optimizer_step else state
+
+
+def token_keys(seed: int, hashes: _Pair, positions: torch.Tensor, optimizer_step: int = 0) -> torch.Tensor:
     """int64 keys ``key(t)`` (see the module docstring), elementwise.
 
     Args:
         seed: integer in [0, :data:`MAX_SEED`).
         hashes: (high, low) halves of the tokens' sequence hashes (:func:`sequence_hashes`).
         positions: int64 response positions ``t`` >= 0, same shape as the halves.
+        optimizer_step: the optimizer step the draw is for, an integer in [0, :data:`MAX_SEED`) (0: the seed's draw).
     """
-    if not (0 <= seed < MAX_SEED):
-        raise ValueError(f"seed must be in [0, 2**53), got {seed}")
     high, low = hashes
-    seed_high, seed_low = _split(splitmix64_reference(seed))  # the same function on a Python int
+    seed_high, seed_low = _split(draw_state(seed, optimizer_step))  # the same function on a Python int
     row = _splitmix64((high ^ seed_high, low ^ seed_low))
     position_mix = _splitmix64((torch.zeros_like(positions, dtype=torch.int64), positions.to(torch.int64)))
     return _to_signed(_splitmix64(_xor(row, position_mix)))
@@ -168,9 +185,13 @@ def splitmix64_reference(x: int) -> int:
     return z ^ (z >> 31)
 
 
-def token_key_reference(seed: int, ids: Sequence[int], position: int) -> int:
-    """The signed int64 key of response position ``position`` of the sequence with real tokens ``ids``."""
+def token_key_reference(seed: int, ids: Sequence[int], position: int, optimizer_step: int = 0) -> int:
+    """The signed int64 key of response position ``position`` of the sequence with real tokens ``ids`` at
+    ``optimizer_step``."""
     total = sum(splitmix64_reference((j << 32) + (token & _M32)) for j, token in enumerate(ids)) & _M64
-    row = splitmix64_reference(splitmix64_reference(total) ^ splitmix64_reference(seed))
+    draw = splitmix64_reference(seed)
+    if optimizer_step:
+        draw ^= splitmix64_reference(optimizer_step ^ STEP_TAG)
+    row = splitmix64_reference(splitmix64_reference(total) ^ draw)
     key = splitmix64_reference(row ^ splitmix64_reference(position))
     return key - (1 << 64) if key >= 1 << 63 else key

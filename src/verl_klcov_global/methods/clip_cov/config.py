@@ -4,8 +4,9 @@
 what they mean for verl's ``clip_cov`` (defaults 0.0002, 1.0, 5.0, as verl's); ``actor.clip_ratio_low`` /
 ``clip_ratio_high`` are the PPO clip range, as for ``clip_cov``. ``clip_cov_seed`` (only with
 :class:`ClipCovGlobalPolicyLossConfig`; an integer in [0, 2**53), default 0) seeds the reproducible draw: a hash of
-(seed, sequence tokens, position), so every minibatch already gets its own draw; change the seed to get a
-different, equally valid one (e.g. per run of a sweep).
+(seed, optimizer step, sequence tokens, position), so every minibatch and every optimizer step (a later PPO epoch
+included) gets its own draw; change the seed to get a different, equally valid sequence of draws (e.g. per run of a
+sweep).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class ClipCovGlobalSettings(ClippedModeSettings):
     clip_cov_lb: float
     clip_cov_ub: float
     clip_cov_seed: int
+    optimizer_step: int = 0  # not a knob: the engine sets its count of optimizer steps (ModeSpec.reads_optimizer_step)
 
 
 def _upstream_knob(policy_loss: Any, key: str) -> Any:

@@ -20,7 +20,7 @@ def _select_clip_cov(fields: MinibatchFields, settings, group) -> Selection:
         token_ids, token_mask=token_mask,
         clip_cov_ratio=settings.clip_cov_ratio, clip_cov_lb=settings.clip_cov_lb, clip_cov_ub=settings.clip_cov_ub,
         clip_ratio_low=settings.clip_ratio_low, clip_ratio_high=settings.clip_ratio_high,
-        seed=settings.clip_cov_seed, group=group,
+        seed=settings.clip_cov_seed, optimizer_step=settings.optimizer_step, group=group,
     )
 
 
@@ -36,6 +36,7 @@ CLIP_COV = register_mode(ModeSpec(
     response_fields=("advantages", "old_log_probs"), sequence_fields=("input_ids",), select=_select_clip_cov,
     objective=clip_cov_objective, no_mask_error=ClipCovMaskUnavailableError,
     config_class=ClipCovGlobalPolicyLossConfig, count_upstream_selected=_count_clip_cov, draws_at_random=True,
+    reads_optimizer_step=True,  # a fresh draw every optimizer step, as upstream draws on every call
     ratio_knob="clip_cov_ratio", paper_ratios=(("7B", 0.0002), ("32B", 0.0002)),
     entropy_sign=+1, selection_reach=lambda selection: selection.num_candidates,  # at most every candidate is cut
     ratio_units_note=UNITS_NOTE,

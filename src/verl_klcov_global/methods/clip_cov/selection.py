@@ -19,15 +19,16 @@ whole minibatch):
 * candidates: valid, not PPO-clipped, ``clip_cov_lb < cov < clip_cov_ub``.
 * ``min(k, #candidates over the group)`` candidates are chosen uniformly without
   replacement: those with the largest keys of :mod:`.keys`, a 64-bit hash of
-  (``clip_cov_seed``, the sequence's token ids, the response position). Upstream draws
-  with an unseeded ``torch.randperm`` per micro-batch; here the same minibatch gives the
-  same tokens whatever the micro-batching, sample order, DP split or number of earlier
-  calls, and different sequences get independent draws. When every candidate fits the
+  (``clip_cov_seed``, the optimizer step, the sequence's token ids, the response position).
+  Upstream draws with an unseeded ``torch.randperm`` on every loss call; here the same
+  minibatch at the same optimizer step gives the same tokens whatever the micro-batching,
+  sample order or DP split, and every optimizer step (a later minibatch, a later PPO epoch,
+  a later trainer step) draws afresh, as upstream does. When every candidate fits the
   quota, all are chosen -- exactly upstream's (then deterministic) result.
 
 Communication per call (``W`` ranks), independent of ``k`` and ``N``: one all-gather of
-11 float64 per rank (three maxima, two token counts, the six knobs: ranks that disagree on
-any of them all raise instead of hanging), one all-reduce of 3 int64 (sums), one all-reduce
+12 float64 per rank (three maxima, two token counts, the six knobs and the optimizer step:
+ranks that disagree on any of them all raise instead of hanging), one all-reduce of 3 int64 (sums), one all-reduce
 of 6 int64 (candidate and PPO-clipped counts, and four exact covariance sums: total, positive,
 over the candidates; :mod:`.covariance`); only when the candidates outnumber the quota,
 :func:`.collectives.select_largest_keys` (at most 8 all-reduces of 1 KiB and one collective
@@ -58,7 +59,12 @@ __all__ = [
     "validate_clip_cov_window",
     "validate_clip_cov_seed",
     "validate_clip_ratio",
+    "validate_optimizer_step",
 ]
+
+#: How the draw's optimizer step is named where ranks disagree on it: the plugin's count, kept in the actor
+#: optimizer's first parameter group (``engine/step_count.py``).
+OPTIMIZER_STEP_NAME = "optimizer.param_groups[0].verl_klcov_global_optimizer_steps"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +125,14 @@ def validate_clip_cov_seed(seed: Any) -> int:
     return value
 
 
+def validate_optimizer_step(step: Any) -> int:
+    """``step`` if it is an integer in [0, 2**53) (not a bool), else ValueError."""
+    value = None if isinstance(step, bool) or not isinstance(step, numbers.Integral) else int(step)
+    if value is None or not (0 <= value < MAX_SEED):
+        raise ValueError(f"the draw's optimizer step must be an integer in [0, 2**53), got {step!r}")
+    return value
+
+
 #: Upstream clip_cov's quota ``max(int(ratio * num_valid), 1)`` (0 without valid tokens); the same rule as kl_cov's.
 clip_cov_quota = ratio_quota
 
@@ -142,18 +156,18 @@ def _check_shapes(advantages, log_probs, old_log_probs, response_mask, token_ids
                          f"got {tuple(token_mask.shape)}")
 
 
-def _seeded_draw(candidates: torch.Tensor, k: int, num_candidates: int, seed: int, token_ids: torch.Tensor,
-                 token_mask: Optional[torch.Tensor], group) -> tuple[torch.Tensor, int]:
+def _seeded_draw(candidates: torch.Tensor, k: int, num_candidates: int, seed: int, optimizer_step: int,
+                 token_ids: torch.Tensor, token_mask: Optional[torch.Tensor], group) -> tuple[torch.Tensor, int]:
     """``k`` of the group's ``num_candidates`` candidates (this rank's: the bool (batch, response_len)
-    ``candidates``), those with the largest keys hashed from (``seed``, the sequence's token ids, the position):
-    this rank's mask of the chosen and the rounds the agreement took (collective)."""
+    ``candidates``), those with the largest keys hashed from (``seed``, ``optimizer_step``, the sequence's token ids,
+    the position): this rank's mask of the chosen and the rounds the agreement took (collective)."""
     rows, columns = candidates.nonzero(as_tuple=True)  # row-major: ties keep (row, position) order
     hashed_rows, row_of = torch.unique(rows, return_inverse=True)
     # only the rows with candidates are hashed, on the inputs' device (token ids may live on the host)
     row_ids = token_ids[hashed_rows.to(token_ids.device)].to(rows.device)
     row_mask = None if token_mask is None else token_mask[hashed_rows.to(token_mask.device)].to(rows.device)
     high_half, low_half = sequence_hashes(row_ids, row_mask)
-    keys = token_keys(seed, (high_half[row_of], low_half[row_of]), columns)
+    keys = token_keys(seed, (high_half[row_of], low_half[row_of]), columns, optimizer_step)
     top = select_largest_keys(keys, torch.ones_like(keys, dtype=torch.bool), k, num_candidates, group)
     mask = torch.zeros_like(candidates)
     mask[rows[top.mask], columns[top.mask]] = True
@@ -173,6 +187,7 @@ def select_clip_cov_tokens(
     clip_ratio_low: float,
     clip_ratio_high: float,
     seed: int,
+    optimizer_step: int = 0,
     token_mask: Optional[torch.Tensor] = None,
     group: Optional[dist.ProcessGroup] = None,
 ) -> ClipCovSelection:
@@ -190,6 +205,9 @@ def select_clip_cov_tokens(
         clip_cov_ratio, clip_cov_lb, clip_cov_ub: upstream's knobs (see module docstring).
         clip_ratio_low, clip_ratio_high: the PPO clip range.
         seed: ``clip_cov_seed``, an integer in [0, 2**53).
+        optimizer_step: the optimizer step the draw is for, an integer in [0, 2**53), the same on every rank (the
+            engine passes its count of the actor's optimizer steps: every optimizer step draws afresh); 0 gives the
+            seed's own draw.
         group: data-parallel group (rank r holds a contiguous block of sequences, lower ranks
             first), or None. Every rank must pass the same knobs; batch sizes may differ,
             including 0 rows.
@@ -202,13 +220,15 @@ def select_clip_cov_tokens(
     low = validate_clip_ratio(clip_ratio_low, "clip_ratio_low")
     high = validate_clip_ratio(clip_ratio_high, "clip_ratio_high")
     seed = validate_clip_cov_seed(seed)
+    optimizer_step = validate_optimizer_step(optimizer_step)
     _check_shapes(advantages, log_probs, old_log_probs, response_mask, token_ids, token_mask)
 
     a, lp, old = (x.detach() if x.is_floating_point() else x.detach().to(torch.float64)
                   for x in (advantages, log_probs, old_log_probs))
     in_mask = response_mask.bool()
     knobs = {"clip_cov_ratio": ratio, "clip_cov_lb": lb, "clip_cov_ub": ub, "clip_cov_seed": float(seed),
-             f"{ACTOR}clip_ratio_low": low, f"{ACTOR}clip_ratio_high": high}
+             f"{ACTOR}clip_ratio_low": low, f"{ACTOR}clip_ratio_high": high,
+             OPTIMIZER_STEP_NAME: float(optimizer_step)}
     means = agree_and_mean((a, lp, old), in_mask, knobs, group)
     valid = means.valid
 
@@ -235,7 +255,7 @@ def select_clip_cov_tokens(
     if k == num_candidates:  # every candidate fits: no draw (the same branch on every rank)
         mask = candidates
     else:
-        mask, rounds = _seeded_draw(candidates, k, num_candidates, seed, token_ids, token_mask, group)
+        mask, rounds = _seeded_draw(candidates, k, num_candidates, seed, optimizer_step, token_ids, token_mask, group)
         chosen_sums = local_covariance_sums(cov, valid, mask, bound, means.num_valid)[2:]
         cov_sums = torch.cat([cov_sums[:2], all_reduce(chosen_sums, dist.ReduceOp.SUM, group)])
     return ClipCovSelection(
