@@ -252,5 +252,8 @@ def test_lora_reference_log_probs_bypass_the_hook():
     assert hasattr(BaseEngine.train_batch, "__verl_klcov_global_original__")
     assert hasattr(BaseEngine.infer_batch, "__verl_klcov_global_original__")  # PATCH log_prob_pass_keep
     assert "disable_adapter()" in inspect.getsource(TrainingWorker.infer_batch)  # verl's, unwrapped
-    assert "no_lora_adapter" in inspect.getsource(patches._log_prob_pass_of)
+    from verl_klcov_global import seams
+
+    assert seams.NO_LORA_ADAPTER_KEY == "no_lora_adapter"  # the seam checks verl's infer_batch pops it
+    assert "seams.NO_LORA_ADAPTER_KEY" in inspect.getsource(patches._log_prob_pass_of)
     assert "no_lora_adapter" not in inspect.getsource(_prepass_module())

@@ -144,10 +144,14 @@ def test_plugin_install_records_a_hook_failure(monkeypatch):
     from verl_klcov_global import loss, plugin
     from verl_klcov_global.engine import patches
 
+    import dataclasses
+
     def broken():
         raise RuntimeError("verl changed")
 
-    monkeypatch.setattr(patches, "install_hook", broken)
+    catalogue = tuple(dataclasses.replace(entry, install=broken) if entry.name == "train_batch_prepass" else entry
+                      for entry in patches.PATCHES)
+    monkeypatch.setattr(patches, "PATCHES", catalogue)
     monkeypatch.setattr(loss, "_HOOK_INSTALL_ERROR", None)
     with pytest.raises(RuntimeError, match="verl changed"):
         plugin.install()

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import verl.trainer.ppo.core_algos as core_algos
@@ -61,7 +62,8 @@ def test_every_patch_of_the_catalogue_is_guarded_by_a_seam():
     names = {seam.name for seam in seams.SEAMS}
     assert [patch.name for patch in PATCHES] == [
         "train_batch_prepass", "validate_config_driver_checks", "prepass_batched_logsumexp",
-        "log_prob_pass_context", "log_prob_pass_keep", "proxy_log_prob_in_pass", "weight_restore_bumps_version"]
+        "log_prob_pass_context", "proxy_log_prob_in_pass", "log_prob_pass_keep", "weight_restore_bumps_version",
+        "seam_error_loss_registry", "seam_error_validate_config"]
     for patch in PATCHES:
         assert patch.seam in names, patch
 
@@ -217,15 +219,16 @@ def test_importing_the_plugin_over_a_moved_seam_fails_before_patching_anything()
     assert "Known to work: verl 0.8.0, 0.9.1" in proc.stderr
 
 
-@pytest.mark.parametrize("owner, name, moved", [
-    ("verl.workers.engine_workers.TrainingWorker", "infer_batch", lambda self, data, no_lora_adapter=False: None),
-    ("verl.utils.fsdp_utils", "fsdp2_sharded_load_from_cpu", lambda model, state: None),
+@pytest.mark.parametrize("owner, name, moved, seams_moved", [
+    # a worker method that no longer hands its engine the batch also breaks the behaviour seam of the worker's keys
+    ("verl.workers.engine_workers.TrainingWorker", "infer_batch", lambda self, data, no_lora_adapter=False: None, 2),
+    ("verl.utils.fsdp_utils", "fsdp2_sharded_load_from_cpu", lambda model, state: None, 1),
     ("verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead", "infer_batch",
-     lambda self, data, loss_function=None: None),
+     lambda self, data, loss_function=None: None, 1),
 ])
-def test_the_reuse_patches_targets_fail_loudly_when_they_move(monkeypatch, owner, name, moved):
+def test_the_reuse_patches_targets_fail_loudly_when_they_move(monkeypatch, owner, name, moved, seams_moved):
     """PATCHES log_prob_pass_context / weight_restore_bumps_version / log_prob_pass_keep: a changed signature, or
-    an override below BaseEngine that would bypass the keeping, is a seam error naming it (engine/reuse.py)."""
+    an override below BaseEngine that would bypass the keeping, is a seam error naming it (engine/kept_pass.py)."""
     import importlib
 
     try:
@@ -237,6 +240,178 @@ def test_the_reuse_patches_targets_fail_loudly_when_they_move(monkeypatch, owner
     with pytest.raises(VerlSeamError) as raised:
         check_seams(force=True)
     message = str(raised.value)
-    assert name in message and "1 seam(s)" in message, message
+    assert name in message and f"{seams_moved} seam(s)" in message, message
     monkeypatch.undo()
     check_seams(force=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Behavioural seams: a verl that keeps every signature but changes what the plugin reads fails loudly, by name
+
+
+def _seam_error_with(monkeypatch, owner, name, replacement) -> str:
+    """The seam error's text with ``owner.name`` replaced (restored afterwards, and every seam holds again)."""
+    monkeypatch.setattr(owner, name, replacement)
+    with pytest.raises(VerlSeamError) as raised:
+        check_seams(force=True)
+    monkeypatch.undo()
+    check_seams(force=True)
+    return str(raised.value)
+
+
+def test_a_loss_fn_not_built_as_a_partial_with_the_actor_config_fails_naming_the_seam(monkeypatch):
+    """``engine.step.actor_config_of`` finds the loss mode in ``loss_fn.keywords["config"]``: a verl that binds the
+    config another way would make every global mode look like no mode at all (verl's own step, no mask)."""
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+    from verl.workers.utils.losses import ppo_loss
+
+    def init_model(self):  # a hypothetical verl that closes over the config
+        actor_config = self.config.actor
+        self.loss_fn = lambda **kwargs: ppo_loss(config=actor_config, **kwargs)
+
+    message = _seam_error_with(monkeypatch, ActorRolloutRefWorker, "init_model", init_model)
+    assert f"{seams.BEHAVIOUR_LOSS_FN}: ActorRolloutRefWorker.init_model sets self.loss_fn = lambda" in message
+    assert "1 seam(s)" in message
+
+
+def _train_batch_without_keys(self, data):  # a hypothetical verl that leaves the micro-batching to the engine
+    return self.engine.train_batch(data, loss_function=self.loss_fn)
+
+
+def _infer_batch_with_the_training_budget(self, data):  # a hypothetical verl that forgot the inference settings
+    from verl.utils import tensordict_utils as tu
+
+    tu.pop(data, key="no_lora_adapter", default=False)
+    tu.assign_non_tensor(data, use_remove_padding=self.model_config.get("use_remove_padding", False),
+                         use_dynamic_bsz=self.engine_config.use_dynamic_bsz,
+                         max_token_len_per_gpu=self.engine_config.max_token_len_per_gpu,
+                         micro_batch_size_per_gpu=self.engine_config.micro_batch_size_per_gpu,
+                         use_fused_kernels=self.engine_config.use_fused_kernels)
+    return self.engine.infer_batch(data, loss_function=self.loss_fn)
+
+
+def _infer_batch_keeping_no_lora_adapter(self, data):  # pops nothing: the engine would see the LoRA key
+    from verl.utils import tensordict_utils as tu
+
+    tu.assign_non_tensor(data, use_remove_padding=self.model_config.get("use_remove_padding", False),
+                         use_dynamic_bsz=self.engine_config.use_dynamic_bsz,
+                         max_token_len_per_gpu=self.engine_config.infer_max_token_len_per_gpu,
+                         micro_batch_size_per_gpu=self.engine_config.infer_micro_batch_size_per_gpu,
+                         use_fused_kernels=self.engine_config.use_fused_kernels)
+    return self.engine.infer_batch(data, loss_function=self.loss_fn)
+
+
+@pytest.mark.parametrize("name, replacement, found", [
+    ("train_batch", _train_batch_without_keys, "TrainingWorker.train_batch handed its engine {'use_remove_padding': "
+                                               "'not set'"),
+    ("infer_batch", _infer_batch_with_the_training_budget, "TrainingWorker.infer_batch handed its engine "
+                                                           "{'max_token_len_per_gpu': 1031, 'micro_batch_size_per_gpu': 3}"),
+    ("infer_batch", _infer_batch_keeping_no_lora_adapter, "TrainingWorker.infer_batch no longer pops 'no_lora_adapter'"),
+])
+def test_a_worker_that_hands_its_engine_other_micro_batch_keys_fails_naming_the_seam(monkeypatch, name, replacement,
+                                                                                     found):
+    """The prepass and reuse read these keys with defaults: a verl that stopped setting them (or set the training
+    budget in the log-prob pass) would change the prepass's micro-batching or reuse's decision silently."""
+    from verl.workers.engine_workers import TrainingWorker
+
+    message = _seam_error_with(monkeypatch, TrainingWorker, name, replacement)
+    assert f"{seams.BEHAVIOUR_WORKER_KEYS}: {found}" in message, message
+    assert "1 seam(s)" in message
+
+
+def test_the_keys_the_plugin_reads_from_verls_batches_are_the_checked_ones():
+    """Every string key the plugin's engine code reads from a batch with verl's ``get_non_tensor_data`` is one the
+    worker seam checks, or one with a stated other source."""
+    import ast
+
+    other_sources = {
+        "pad_mode": "set by verl's SFT trainers only; verl's engine reads it with the plugin's default, NO_PADDING",
+    }
+    read = set()
+    for path in (Path(REPO_ROOT) / "src" / "verl_klcov_global" / "engine").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+                    "non_tensor", "_non_tensor", "get_non_tensor_data"):
+                keys = [node.args[1]] if len(node.args) > 1 else [k.value for k in node.keywords if k.arg == "key"]
+                for key in keys:
+                    literals = [key] if not isinstance(key, ast.IfExp) else [key.body, key.orelse]
+                    read |= {lit.value for lit in literals if isinstance(lit, ast.Constant)}
+    assert read and read <= set(seams.WORKER_KEYS) | set(other_sources), read - set(seams.WORKER_KEYS)
+    assert {"use_dynamic_bsz", "max_token_len_per_gpu", "micro_batch_size_per_gpu"} <= read  # the scan sees them
+
+
+def test_an_fsdp_engine_without_its_optimizer_offload_property_fails_naming_the_seam(monkeypatch):
+    """The prepass keeps an offloaded optimizer's states off the device by this property: renamed, the states would
+    stay on the device during the prepass."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    owner = next(cls for cls in FSDPEngineWithLMHead.__mro__ if "is_optimizer_offload_enabled" in vars(cls))
+    monkeypatch.delattr(owner, "is_optimizer_offload_enabled")  # BaseEngine's abstract one is what is left
+    with pytest.raises(VerlSeamError) as raised:
+        check_seams(force=True)
+    message = str(raised.value)
+    monkeypatch.undo()
+    check_seams(force=True)
+    assert f"{seams.BEHAVIOUR_OFFLOAD}: is_optimizer_offload_enabled is abstract on BaseEngine" in message
+    assert "1 seam(s)" in message
+
+
+def test_a_restore_helper_bound_at_import_fails_naming_the_seam(monkeypatch):
+    """PATCH weight_restore_bumps_version rebinds verl.utils.fsdp_utils' helpers; a DetachActorWorker that took them
+    at import would restore weights without bumping the version, and a stale pass could be reused."""
+    from verl.experimental.separation.engine_workers import DetachActorWorker
+    from verl.utils.fsdp_utils import fsdp2_sharded_load_from_cpu, fsdp2_sharded_save_to_cpu
+
+    def _get_strategy_handlers(self):  # the helpers as they were when this module was imported
+        return fsdp2_sharded_save_to_cpu, fsdp2_sharded_load_from_cpu
+
+    message = _seam_error_with(monkeypatch, DetachActorWorker, "_get_strategy_handlers", _get_strategy_handlers)
+    assert f"{seams.BEHAVIOUR_RESTORE}: DetachActorWorker's restore handler for fsdp is not looked up" in message
+    assert "1 seam(s)" in message
+
+
+# ---------------------------------------------------------------------------------------------
+# The patch catalogue is what install() applies
+
+
+def test_install_applies_the_catalogues_installable_patches_in_order_and_puts_each_back(monkeypatch):
+    from verl_klcov_global.engine import patches
+
+    applied_elsewhere = {entry.name for entry in PATCHES if entry.install is None}
+    assert applied_elsewhere == {"prepass_batched_logsumexp", *(guard.name for guard in seams.SEAM_ERROR_GUARDS)}
+    installable = [entry for entry in PATCHES if entry.install is not None]
+    assert all(entry.uninstall is not None and entry.installed is not None for entry in installable)
+    calls = []
+    recording = tuple(dataclasses.replace(entry, install=lambda entry=entry: calls.append(entry.name) or entry.install())
+                      if entry.install is not None else entry for entry in PATCHES)
+    monkeypatch.setattr(patches, "PATCHES", recording)
+    patches.install()
+    assert calls == [entry.name for entry in installable]
+    monkeypatch.undo()
+    try:
+        for entry in installable:
+            entry.uninstall()
+            assert not entry.installed(), entry.name
+    finally:
+        patches.install()
+    assert all(entry.installed() for entry in installable)
+
+
+def test_install_names_a_patch_whose_install_left_it_out(monkeypatch):
+    from verl_klcov_global.engine import patches
+
+    broken = tuple(dataclasses.replace(entry, install=lambda: None, installed=lambda: False)
+                   if entry.name == "log_prob_pass_keep" else entry for entry in PATCHES)
+    monkeypatch.setattr(patches, "PATCHES", broken)
+    with pytest.raises(patches.PatchNotInstalledError, match="PATCH log_prob_pass_keep .* is not in place"):
+        patches.install()
+
+
+def test_the_seam_errors_guards_are_the_catalogues_seam_error_patches():
+    """What make_seam_error_visible applies is listed in the catalogue, each entry guarded by a checked seam."""
+    entries = {entry.name: entry for entry in PATCHES}
+    names = {seam.name for seam in seams.SEAMS}
+    for guard in seams.SEAM_ERROR_GUARDS:
+        entry = entries[guard.name]
+        assert entry.install is None and guard.seam == entry.seam in names
+        assert entry.implementation == f"seams.{guard.apply.__name__}"

@@ -6,7 +6,9 @@ A verl release that keeps every seam below works; one that moves any of them mak
 moved seam and the verl versions known to work (:data:`KNOWN_VERL_VERSIONS`), before any
 patch is applied or any loss is registered.
 
-What is checked (names, signatures, dataclass fields; no verl source text):
+What is checked: names, signatures and dataclass fields, and (the ``behaviour`` seams) what verl's code does that
+the plugin reads, run on stand-ins where that is cheap (a worker method's hand-over to its engine, a restore
+helper's look-up) and read from the syntax tree where running it needs a whole worker (how ``loss_fn`` is built):
 
 * what the reuse of verl's log-prob pass wraps (``engine/reuse.py``): ``TrainingWorker.infer_batch(self, data)``,
   ``BaseEngine.infer_batch`` inherited by the FSDP engine, verl's sharded weight-restore helpers, and
@@ -22,7 +24,12 @@ What is checked (names, signatures, dataclass fields; no verl source text):
 * the helpers used on the minibatch (``engine/``, ``layout.py``): ``no_padding_2_padding``,
   ``tensordict_utils``, ``Metric`` / ``AggregationType``, ``logprobs_from_logits_v2`` (PATCH
   ``prepass_batched_logsumexp``), ``masked_mean``, ``get_device_name`` / ``get_device_id``;
-* ``verl.utils.config.validate_config(config, use_reference_policy, use_critic)`` (patched in the driver).
+* ``verl.utils.config.validate_config(config, use_reference_policy, use_critic)`` (patched in the driver);
+* behaviour: ``ActorRolloutRefWorker.init_model`` builds ``loss_fn`` as ``partial(<loss>, config=...)`` (where the
+  plugin finds the loss mode); ``TrainingWorker.train_batch`` / ``infer_batch`` hand their engine the micro-batch keys
+  the plugin reads (:data:`WORKER_KEYS`) and the worker's ``loss_fn``, and ``infer_batch`` pops ``no_lora_adapter``;
+  the FSDP engine's ``is_optimizer_offload_enabled`` property (the prepass's offload rule); ``DetachActorWorker``
+  looks its restore helper up at call time (so PATCH ``weight_restore_bumps_version`` is the one it runs).
 
 Known to work: :data:`KNOWN_VERL_VERSIONS` (the releases a user can pin; the test suite's verl sources are
 listed in docs/DEVELOPING.md, "verl versions").
@@ -164,15 +171,8 @@ def _training_worker_infer_batch() -> None:
     They import web-server packages (fastapi, uvicorn) that verl does not require: where those are
     missing no actor can run in the process, and PATCH ``log_prob_pass_context`` is skipped.
     """
-    try:
-        importlib.import_module("verl.workers.engine_workers")
-    except ModuleNotFoundError as error:
-        if (error.name or "").split(".")[0] != "verl":
-            return  # a third-party dependency of the workers is missing: nothing to patch here
-        raise _Moved(f"module verl.workers.engine_workers cannot be imported ({error})") from None
-    except ImportError as error:
-        raise _Moved(f"module verl.workers.engine_workers cannot be imported ({error})") from None
-    _signature("verl.workers.engine_workers", "TrainingWorker.infer_batch", ["self", "data"])()
+    if _engine_workers_importable():
+        _signature("verl.workers.engine_workers", "TrainingWorker.infer_batch", ["self", "data"])()
 
 
 def _restore_helpers() -> None:
@@ -182,6 +182,241 @@ def _restore_helpers() -> None:
                ["model", "cpu_sharded_state", "target_spec"])()
     if hasattr(importlib.import_module("verl.utils.fsdp_utils"), "fsdp1_sharded_load_from_cpu"):
         _signature("verl.utils.fsdp_utils", "fsdp1_sharded_load_from_cpu", ["model", "cpu_sharded_state"])()
+
+
+# ---------------------------------------------------------------------------------------------
+# Behaviour: what verl's worker and engine do that the plugin reads (not only their signatures)
+
+#: Attribute of a plugin wrapper holding verl's original function (also how "already installed" is seen); the
+#: behavioural checks below call verl's original, so they run the same before and after the patches.
+ORIGINAL_ATTR = "__verl_klcov_global_original__"
+
+#: The non-tensor keys of a batch that verl's ``TrainingWorker`` sets before it calls its engine, and that the plugin
+#: reads (the prepass's micro-batching and reuse's forward settings: ``engine/prepass.py``, ``engine/kept_pass.py``,
+#: ``engine/proxy.py``): key -> the engine-config field it carries in ``train_batch`` / in ``infer_batch`` (None: the
+#: model config's). The plugin reads them with a default; the seam makes sure the default never stands in for them.
+WORKER_KEYS = {
+    "use_remove_padding": (None, None),
+    "use_dynamic_bsz": ("use_dynamic_bsz", "use_dynamic_bsz"),
+    "max_token_len_per_gpu": ("max_token_len_per_gpu", "infer_max_token_len_per_gpu"),
+    "micro_batch_size_per_gpu": ("micro_batch_size_per_gpu", "infer_micro_batch_size_per_gpu"),
+    "use_fused_kernels": ("use_fused_kernels", "use_fused_kernels"),
+}
+#: The non-tensor key of the log-prob pass that PATCH ``log_prob_pass_context`` reads before verl's
+#: ``TrainingWorker.infer_batch`` pops it (the LoRA reference pass: the adapter off).
+NO_LORA_ADAPTER_KEY = "no_lora_adapter"
+
+
+def _verl_original(function: Callable) -> Callable:
+    while getattr(function, ORIGINAL_ATTR, None) is not None:
+        function = getattr(function, ORIGINAL_ATTR)
+    return function
+
+
+class _Loose:
+    """Stands in for whatever a probed verl method touches beyond what the probe sets: any attribute, call or
+    context manager gives another stand-in; false; ``get(key, default)`` gives the default. The probe then checks
+    only the behaviour the plugin relies on, not verl's other bookkeeping."""
+
+    def __init__(self, **attributes: Any):
+        self.__dict__.update(attributes)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Loose()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_Loose":
+        return _Loose()
+
+    def __enter__(self) -> "_Loose":
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        return False
+
+    def __bool__(self) -> bool:
+        return False
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.__dict__.get(key, default)
+
+
+class _ReachedEngine(Exception):
+    """Raised by the probe's engine when verl's worker calls it: what the worker handed over."""
+
+    def __init__(self, method: str, data: Any, loss_function: Any):
+        super().__init__(method)
+        self.method, self.data, self.loss_function = method, data, loss_function
+
+
+class _ProbeEngine(_Loose):
+    def train_batch(self, data, loss_function=None):
+        raise _ReachedEngine("train_batch", data, loss_function)
+
+    def infer_batch(self, data, loss_function=None):
+        raise _ReachedEngine("infer_batch", data, loss_function)
+
+
+#: Distinct values per engine-config field, so the probe sees which field a key carries.
+_PROBE_ENGINE_CONFIG = dict(forward_only=False, use_dynamic_bsz=True, max_token_len_per_gpu=1031,
+                            infer_max_token_len_per_gpu=2053, micro_batch_size_per_gpu=3,
+                            infer_micro_batch_size_per_gpu=5, use_fused_kernels=False)
+
+
+def _run_worker_method(method: str, data: Any, loss_fn: Callable) -> _ReachedEngine:
+    """verl's own ``TrainingWorker.<method>(data)`` on a stand-in worker whose engine stops it where it is called."""
+    worker_class = _attr("verl.workers.engine_workers", "TrainingWorker")
+    probe = _Loose(loss_fn=loss_fn, engine=_ProbeEngine(), engine_config=_Loose(**_PROBE_ENGINE_CONFIG),
+                   model_config={"use_remove_padding": True}, profiler=None)
+    try:
+        _verl_original(getattr(worker_class, method))(probe, data)
+    except _ReachedEngine as reached:
+        return reached
+    except Exception as error:
+        raise _Moved(f"TrainingWorker.{method} failed before it called its engine ({type(error).__name__}: "
+                     f"{error})") from None
+    raise _Moved(f"TrainingWorker.{method} returned without calling engine.{method}")
+
+
+def _probe_batch(**non_tensor: Any):
+    import torch
+    from tensordict import TensorDict
+
+    from verl.utils import tensordict_utils as tu
+
+    data = TensorDict({"input_ids": torch.zeros(1, 2, dtype=torch.int64)}, batch_size=[1])
+    tu.assign_non_tensor(data, global_token_num=[2], **non_tensor)
+    return data
+
+
+def _worker_sets_the_micro_batch_keys() -> None:
+    """verl's ``TrainingWorker.train_batch`` / ``infer_batch`` hand their engine every key of :data:`WORKER_KEYS`,
+    from the engine-config field of the training / the inference micro-batching, with the worker's loss function;
+    ``infer_batch`` pops :data:`NO_LORA_ADAPTER_KEY` before its engine sees the batch (so PATCH
+    ``log_prob_pass_context`` must read it first, as it does). Run on a stand-in worker (verl's own code)."""
+    if not _engine_workers_importable():
+        return
+    from verl.utils import tensordict_utils as tu
+
+    def loss_fn(*args, **kwargs):  # the worker's loss function, by identity
+        raise AssertionError("the probe never computes a loss")
+
+    for index, method in enumerate(("train_batch", "infer_batch")):
+        reached = _run_worker_method(method, _probe_batch(**{NO_LORA_ADAPTER_KEY: False}), loss_fn)
+        if reached.method != method:
+            raise _Moved(f"TrainingWorker.{method} called engine.{reached.method}, not engine.{method}")
+        if method == "train_batch" and reached.loss_function is not loss_fn:
+            raise _Moved("TrainingWorker.train_batch did not hand its engine the worker's own loss_fn")
+        found = {key: tu.get_non_tensor_data(data=reached.data, key=key, default=_Loose) for key in WORKER_KEYS}
+        expected = {key: True if fields[index] is None else _PROBE_ENGINE_CONFIG[fields[index]]
+                    for key, fields in WORKER_KEYS.items()}
+        if found != expected:
+            wrong = {key: ("not set" if found[key] is _Loose else found[key]) for key in WORKER_KEYS
+                     if found[key] != expected[key]}
+            raise _Moved(f"TrainingWorker.{method} handed its engine {wrong} for the keys {sorted(wrong)} (expected "
+                         f"{ {key: expected[key] for key in wrong} }: the engine config's "
+                         f"{'training' if index == 0 else 'inference'} micro-batching)")
+        if method == "infer_batch" and NO_LORA_ADAPTER_KEY in reached.data.keys():
+            raise _Moved(f"TrainingWorker.infer_batch no longer pops {NO_LORA_ADAPTER_KEY!r} before its engine runs")
+
+
+def _engine_workers_importable() -> bool:
+    """verl's engine workers can be imported, or only a third-party package of theirs is missing (fastapi, uvicorn:
+    then no actor runs in this process and there is nothing to check); a missing verl module is a moved seam."""
+    try:
+        importlib.import_module("verl.workers.engine_workers")
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] != "verl":
+            return False
+        raise _Moved(f"module verl.workers.engine_workers cannot be imported ({error})") from None
+    except ImportError as error:
+        raise _Moved(f"module verl.workers.engine_workers cannot be imported ({error})") from None
+    return True
+
+
+def _loss_fn_is_a_partial_with_the_actor_config() -> None:
+    """Every ``self.loss_fn = ...`` of verl's ``ActorRolloutRefWorker.init_model`` is ``partial(<loss>, config=...)``:
+    the plugin finds the actor config (and so the loss mode) in the partial's ``keywords["config"]``
+    (``engine.step.actor_config_of``). Read from the method's syntax tree: running it needs a whole worker."""
+    if not _engine_workers_importable():
+        return
+    import ast
+    import textwrap
+
+    init_model = _verl_original(_attr("verl.workers.engine_workers", "ActorRolloutRefWorker.init_model"))
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(init_model)))
+    except (OSError, TypeError, SyntaxError) as error:
+        raise _Moved(f"the source of ActorRolloutRefWorker.init_model cannot be read ({error})") from None
+    built = [node.value for node in ast.walk(tree) if isinstance(node, ast.Assign) and any(
+        isinstance(t, ast.Attribute) and t.attr == "loss_fn" and isinstance(t.value, ast.Name) and t.value.id == "self"
+        for t in node.targets)]
+    if not built:
+        raise _Moved("ActorRolloutRefWorker.init_model no longer assigns self.loss_fn")
+    for value in built:
+        call = value if isinstance(value, ast.Call) else None
+        name = None if call is None else (call.func.attr if isinstance(call.func, ast.Attribute) else
+                                          getattr(call.func, "id", None))
+        if name != "partial" or not any(keyword.arg == "config" for keyword in call.keywords):
+            raise _Moved(f"ActorRolloutRefWorker.init_model sets self.loss_fn = {ast.unparse(value)}, not "
+                         "partial(<loss>, config=<actor config>, ...)")
+
+
+def _fsdp_engine_reports_optimizer_offload() -> None:
+    """``FSDPEngineWithLMHead.is_optimizer_offload_enabled`` is a property verl's FSDP engine defines (``BaseEngine``'s
+    is abstract): the prepass reads it to keep an offloaded optimizer's states off the device
+    (``engine/prepass.py``)."""
+    engine = _attr("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead")
+    owner = next((cls for cls in engine.__mro__ if "is_optimizer_offload_enabled" in vars(cls)), None)
+    if owner is None:
+        raise _Moved("FSDPEngineWithLMHead has no is_optimizer_offload_enabled")
+    found = vars(owner)["is_optimizer_offload_enabled"]
+    if not isinstance(found, property) or getattr(found.fget, "__isabstractmethod__", False):
+        raise _Moved(f"is_optimizer_offload_enabled is {'abstract' if isinstance(found, property) else type(found).__name__} "
+                     f"on {owner.__qualname__}, not a property of the FSDP engine")
+
+
+#: verl's sharded restore helpers (module ``verl.utils.fsdp_utils``) and the strategies that use them.
+RESTORE_HELPERS = {"fsdp": "fsdp1_sharded_load_from_cpu", "fsdp2": "fsdp2_sharded_load_from_cpu"}
+
+
+def _restore_helpers_are_looked_up_at_call_time() -> None:
+    """verl's ``DetachActorWorker`` (``separate_async``) takes its restore helper from ``verl.utils.fsdp_utils`` when it
+    is called, so PATCH ``weight_restore_bumps_version``, which rebinds the module's attribute, is the helper it runs.
+    Run on a stand-in worker with the module attribute briefly replaced: the handler it returns must be the
+    replacement. Skipped where verl has no ``DetachActorWorker`` or its module cannot be imported (that route cannot
+    run here)."""
+    try:
+        module = importlib.import_module("verl.experimental.separation.engine_workers")
+    except ImportError:
+        return
+    worker_class = getattr(module, "DetachActorWorker", None)
+    get_handlers = getattr(worker_class, "_get_strategy_handlers", None)
+    if get_handlers is None:
+        return
+    fsdp_utils = importlib.import_module("verl.utils.fsdp_utils")
+    for strategy, name in RESTORE_HELPERS.items():
+        current = getattr(fsdp_utils, name, None)
+        if current is None:  # verl 0.8.0 has no fsdp1 helper
+            continue
+
+        def replacement(*args: Any, **kwargs: Any) -> None:
+            raise AssertionError("the probe never restores")
+
+        setattr(fsdp_utils, name, replacement)
+        try:
+            probe = _Loose(_strategy_handlers=None, config=_Loose(actor=_Loose(strategy=strategy)))
+            handlers = get_handlers(probe)
+        except Exception as error:
+            raise _Moved(f"DetachActorWorker._get_strategy_handlers failed for strategy {strategy} "
+                         f"({type(error).__name__}: {error})") from None
+        finally:
+            setattr(fsdp_utils, name, current)
+        if not (isinstance(handlers, tuple) and len(handlers) == 2 and handlers[1] is replacement):
+            raise _Moved(f"DetachActorWorker's restore handler for {strategy} is not looked up in "
+                         f"verl.utils.fsdp_utils.{name} at call time (a module-level import would bypass the "
+                         "plugin's wrapper)")
 
 
 #: The keywords verl's ``ppo_loss`` passes to a registered policy loss; the plugin's losses take these.
@@ -195,6 +430,18 @@ def _loss_arguments_match_upstream() -> None:
         if found != POLICY_LOSS_ARGUMENTS:
             raise _Moved(f"{name} takes {found}; the plugin's losses take {POLICY_LOSS_ARGUMENTS}")
 
+
+#: The behavioural seams' names (their checks are above).
+BEHAVIOUR_LOSS_FN = ("verl.workers.engine_workers.ActorRolloutRefWorker.init_model builds loss_fn as "
+                     "partial(<loss>, config=<actor config>)")
+BEHAVIOUR_WORKER_KEYS = ("verl.workers.engine_workers.TrainingWorker.train_batch / infer_batch hand their engine the "
+                         "micro-batch keys (use_remove_padding, use_dynamic_bsz, max_token_len_per_gpu, "
+                         "micro_batch_size_per_gpu, use_fused_kernels) and the worker's loss_fn; infer_batch pops "
+                         "no_lora_adapter")
+BEHAVIOUR_OFFLOAD = ("verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.is_optimizer_offload_enabled "
+                     "(a property of the FSDP engine)")
+BEHAVIOUR_RESTORE = ("verl.experimental.separation.engine_workers.DetachActorWorker looks its restore helper up in "
+                     "verl.utils.fsdp_utils at call time")
 
 _CORE = "verl.trainer.ppo.core_algos"
 _BASE = "verl.workers.engine.base"
@@ -223,6 +470,11 @@ SEAMS: tuple[Seam, ...] = (
                     ["self", "output", "output_args", "micro_batch", "logits_processor_func"])),
     Seam("verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu(model, cpu_sharded_state, target_spec) / "
          "fsdp1_sharded_load_from_cpu(model, cpu_sharded_state)", _restore_helpers),
+    # behaviour: what verl's worker and engine do that the plugin reads
+    Seam(BEHAVIOUR_LOSS_FN, _loss_fn_is_a_partial_with_the_actor_config),
+    Seam(BEHAVIOUR_WORKER_KEYS, _worker_sets_the_micro_batch_keys),
+    Seam(BEHAVIOUR_OFFLOAD, _fsdp_engine_reports_optimizer_offload),
+    Seam(BEHAVIOUR_RESTORE, _restore_helpers_are_looked_up_at_call_time),
     Seam("verl.workers.config.FSDPEngineConfig fields strategy, infer_micro_batch_size_per_gpu, "
          "infer_max_token_len_per_gpu",
          _fields("verl.workers.config", "FSDPEngineConfig",
@@ -356,7 +608,9 @@ def make_seam_error_visible(error: VerlSeamError) -> None:
        (``policy_loss.loss_mode`` a global mode, ``policy_loss._target_`` or ``model.external_lib`` in this
        package) before Hydra looks the config class up.
 
-    Each step is best effort and idempotent: a seam that moved may make one impossible, never the others.
+    Steps 2 and 3 are :data:`SEAM_ERROR_GUARDS`, the catalogue's ``seam_error_*`` patches
+    (:data:`verl_klcov_global.engine.patches.PATCHES`). Each step is best effort and idempotent: a seam that moved
+    may make one impossible, never the others.
     """
     global _SEAM_ERROR_MESSAGE
     first = _SEAM_ERROR_MESSAGE is None
@@ -367,9 +621,9 @@ def make_seam_error_visible(error: VerlSeamError) -> None:
             sys.stderr.flush()
         except Exception:  # pragma: no cover - a closed stderr
             pass
-    for guard in (_guard_loss_registry, _guard_validate_config):
+    for guard in SEAM_ERROR_GUARDS:
         try:
-            guard()
+            guard.apply()
         except Exception:  # best effort: the message is already on stderr and the import still fails
             pass
 
@@ -440,3 +694,26 @@ def replace_validate_config(current: Callable, replacement: Callable) -> None:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "validate_config", None) is current:
             module.validate_config = replacement
+
+
+@dataclass(frozen=True)
+class SeamErrorGuard:
+    """A patch of verl applied only in a process whose seam check failed (an entry of the patch catalogue)."""
+
+    name: str
+    target: str
+    seam: str
+    verl: str
+    apply: Callable[[], None]
+
+
+#: What :func:`make_seam_error_visible` applies, in order; listed in the patch catalogue too.
+SEAM_ERROR_GUARDS: tuple[SeamErrorGuard, ...] = (
+    SeamErrorGuard("seam_error_loss_registry",
+                   "verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY (the names of GLOBAL_MODE_NAMES not registered)",
+                   "verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY (a dict)",
+                   "trainer/ppo/core_algos.py POLICY_LOSS_REGISTRY (0.8.0, 0.9.1, main 1dda039b)", _guard_loss_registry),
+    SeamErrorGuard("seam_error_validate_config", "verl.utils.config.validate_config (and main_ppo's imported copy)",
+                   "verl.utils.config.validate_config(config, use_reference_policy, use_critic)",
+                   "utils/config.py validate_config, whatever its signature", _guard_validate_config),
+)

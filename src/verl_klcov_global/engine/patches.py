@@ -1,49 +1,40 @@
-"""The catalogue of every verl patch the plugin applies, and their install/uninstall.
+"""The catalogue of every verl patch the plugin applies (:data:`PATCHES`), and their install/uninstall.
 
-Targets: verl 0.9.1 and 0.8.0 (line references are 0.9.1's). The signatures each patch rests on
-are checked once, at import, by :mod:`verl_klcov_global.seams` (a moved seam raises
-``VerlSeamError`` naming it before anything is patched); nothing here re-checks them.
-:data:`PATCHES` lists them all, as Liger's ``monkey_patch.py`` lists its patches:
+As Liger's ``monkey_patch.py`` lists its patches, each :class:`Patch` names what it replaces, the seam that guards
+it (:mod:`verl_klcov_global.seams`: checked once at import, before anything is patched; a moved seam raises
+``VerlSeamError`` naming it), where it applies, the verl code it targets, and how it is installed:
+:func:`install` applies exactly the catalogue's installable entries, in order, and checks each is in place after.
 
-* ``train_batch_prepass`` (every process that trains): wraps
-  ``verl.workers.engine.base.BaseEngine.train_batch(self, data, loss_function)``
-  (``workers/engine/base.py`` ~113, inherited by every engine) with
-  :func:`.step.train_batch_with_prepass`. Installed by :func:`install_hook`.
-* ``validate_config_driver_checks`` (the driver): wraps
-  ``verl.utils.config.validate_config(config, use_reference_policy, use_critic)``, which
-  ``main_ppo`` (and ``main_ppo_v0``) calls before ``ray.init`` (verl 0.9; in 0.8 in the TaskRunner),
-  so that :func:`verl_klcov_global.driver.prepare_trainer_config` checks the knobs on the raw
-  config and adds the worker loader to the Ray runtime environment first. Installed by
-  :func:`install_driver_checks`.
-* ``prepass_batched_logsumexp`` (during the prepass only): swaps
-  ``verl.utils.torch_functional.logprobs_from_logits_v2(logits, labels)`` inside
-  :func:`.prepass.compute_prepass_log_probs`; see :mod:`.logprobs`.
+* ``train_batch_prepass`` (every process that trains): wraps ``BaseEngine.train_batch(self, data, loss_function)``,
+  inherited by every engine, with :func:`.step.train_batch_with_prepass`;
+* ``validate_config_driver_checks`` (the driver): wraps ``verl.utils.config.validate_config``, which ``main_ppo``
+  (and ``main_ppo_v0``) calls before ``ray.init`` (verl 0.9; in 0.8 in the TaskRunner), so that
+  :func:`verl_klcov_global.driver.prepare_trainer_config` checks the knobs on the raw config and adds the worker
+  loader to the Ray runtime environment first;
+* ``prepass_batched_logsumexp`` (during the prepass forward only, by :func:`.logprobs.batched_logsumexp`): swaps
+  ``verl.utils.torch_functional.logprobs_from_logits_v2``;
 * ``log_prob_pass_context`` (every process that imports verl's engine workers): wraps
-  ``verl.workers.engine_workers.TrainingWorker.infer_batch(self, data)`` (~398, what the actor's
-  ``compute_log_prob`` calls) so that a pass of an actor whose loss is a global mode with
-  ``prepass_layout=infer`` and whose LoRA adapter stays on (no ``no_lora_adapter``) opens
-  :func:`.kept_pass.log_prob_pass` (with ``prepass_layout=old``, where the mode or the controller reads
-  entropy: held for the whole update, :mod:`.old_policy`); verl's dispatch attributes (``@register``) are kept. Installed by
-  :func:`install_reuse`; skipped where verl's engine workers cannot be imported (their web-server
-  dependencies missing), where no actor can run either.
-* ``log_prob_pass_keep`` (same processes as ``train_batch_prepass``): wraps
-  ``verl.workers.engine.base.BaseEngine.infer_batch(self, data, loss_function=None)`` (~134, inherited
-  by the FSDP engine) to hand its outputs to :func:`.kept_pass.after_infer_batch`, which keeps them only
-  inside such a pass (on every rank, Ulysses SP included). Installed by :func:`install_reuse`.
-* ``proxy_log_prob_in_pass`` (same processes): wraps
-  ``verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs(self, output, output_args,
-  micro_batch, logits_processor_func)`` (~1332) with :func:`.proxy.prepare_model_outputs_with_proxy`: where the
-  micro-batch carries :data:`.proxy.PROXY_REQUEST_KEY` (set by ``log_prob_pass_context`` for an ``lp_reg_global``
-  actor's pass), Lp-Reg's proxy log-probs are computed from the logits and added to the model output, which
-  ``log_prob_pass_keep`` keeps and removes. Installed by :func:`install_reuse`.
-* ``weight_restore_bumps_version``: wraps ``verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu`` and,
-  where verl has it (0.9.1 and later), ``fsdp1_sharded_load_from_cpu``: the restore of saved weights that
-  ``separate_async`` / fully async training make around the log-prob pass
-  (``experimental/separation/engine_workers.py`` ~140, imported at call time) bumps the weights version
-  of the engines holding the module (:func:`.weights.weights_restored`). Installed by :func:`install_reuse`.
+  ``TrainingWorker.infer_batch(self, data)`` (what the actor's ``compute_log_prob`` calls) so that a pass of an actor
+  whose loss is a global mode, with its LoRA adapter on (no ``no_lora_adapter``), opens
+  :func:`.kept_pass.log_prob_pass` (held for the whole update with ``prepass_layout=old`` where the mode or the
+  controller reads entropy, and for Lp-Reg's proxy); verl's dispatch attributes (``@register``) are kept. Skipped
+  where verl's engine workers cannot be imported (their web-server dependencies missing), where no actor can run;
+* ``log_prob_pass_keep`` (same processes as ``train_batch_prepass``): wraps ``BaseEngine.infer_batch``, inherited by
+  the FSDP engine, to hand its outputs to :func:`.kept_pass.after_infer_batch`, which keeps them only inside such a
+  pass (on every rank, Ulysses SP included);
+* ``proxy_log_prob_in_pass`` (same processes): wraps ``FSDPEngineWithLMHead.prepare_model_outputs`` with
+  :func:`.proxy.prepare_model_outputs_with_proxy`: where the micro-batch carries :data:`.proxy.PROXY_REQUEST_KEY`,
+  Lp-Reg's proxy log-probs are computed from the logits and added to the model output, which
+  ``log_prob_pass_keep`` keeps and removes;
+* ``weight_restore_bumps_version``: wraps verl's sharded restore helpers ``fsdp{1,2}_sharded_load_from_cpu``, which
+  ``separate_async`` / fully async training call around the log-prob pass (looked up at call time: a seam), so that
+  a restore bumps the weights version of the engines holding the module (:func:`.weights.weights_restored`);
+* ``seam_error_loss_registry``, ``seam_error_validate_config``: only in a process whose seam check failed, by
+  :func:`verl_klcov_global.seams.make_seam_error_visible` (never by :func:`install`; this module is not imported
+  then): the global mode names in verl's registry and ``validate_config`` raise the seam error.
 
-The CPU platform that ``diagnose`` and the tests use patches verl and torch too; those patches
-are the lab's, never applied by the plugin, and listed in :mod:`verl_klcov_global.lab.cpu`.
+The CPU platform that ``diagnose`` and the tests use patches verl and torch too; those patches are the lab's, never
+applied by the plugin, and listed in :mod:`verl_klcov_global.lab.cpu`.
 """
 
 from __future__ import annotations
@@ -51,75 +42,80 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from tensordict import TensorDict
 from verl.workers.engine.base import BaseEngine
 
-from .. import driver
+from .. import driver, seams
 from ..mode_config import OLD_POLICY_LAYOUT
 from ..modes import global_mode_of
-from ..seams import replace_validate_config
+from ..seams import ORIGINAL_ATTR, RESTORE_HELPERS, replace_validate_config
 from . import kept_pass, weights
 from .proxy import PROXY_REQUEST_KEY, prepare_model_outputs_with_proxy
 from .step import actor_config_of, train_batch_with_prepass
 
-__all__ = ["PATCHES", "Patch", "install", "install_driver_checks", "install_hook", "install_proxy", "install_reuse", "proxy_log_prob_pass",
-           "is_hook_installed", "is_reuse_installed", "uninstall_hook", "uninstall_reuse"]
+__all__ = ["ORIGINAL_ATTR", "PATCHES", "Patch", "PatchNotInstalledError", "install", "install_driver_checks",
+           "install_hook", "install_proxy", "install_reuse", "is_hook_installed", "is_reuse_installed", "patch",
+           "proxy_log_prob_pass", "uninstall_hook", "uninstall_reuse"]
 
-#: Attribute of a wrapper holding verl's original function (also how "already installed" is seen).
-ORIGINAL_ATTR = "__verl_klcov_global_original__"
+
+class PatchNotInstalledError(RuntimeError):
+    """An installable patch of the catalogue is not in place after its install ran."""
 
 
 @dataclass(frozen=True)
 class Patch:
-    """One verl patch: its name, what it replaces, the seam that guards it, where it applies."""
+    """One verl patch.
+
+    ``name``; ``target``: what it replaces; ``seam``: the :data:`verl_klcov_global.seams.SEAMS` entry that guards it;
+    ``scope``: where and when it applies; ``implementation``: the plugin's code it runs; ``verl``: the verl code it
+    targets, by version (a verl upgrade checks these references); ``install`` / ``uninstall`` / ``installed``: how
+    :func:`install` applies it, takes it off (tests) and sees it in place, or None for a patch applied elsewhere (its
+    ``scope`` says where)."""
 
     name: str
     target: str
-    seam: str  # the :data:`verl_klcov_global.seams.SEAMS` entry that checks the target's signature
+    seam: str
     scope: str
     implementation: str
-
-
-PATCHES: tuple[Patch, ...] = (
-    Patch("train_batch_prepass", "verl.workers.engine.base.BaseEngine.train_batch",
-          "verl.workers.engine.base.BaseEngine.train_batch(self, data, loss_function)",
-          "every process that imports the plugin (permanent)", "engine.step.train_batch_with_prepass"),
-    Patch("validate_config_driver_checks", "verl.utils.config.validate_config (and main_ppo's imported copy)",
-          "verl.utils.config.validate_config(config, use_reference_policy, use_critic)",
-          "every process that imports the plugin; acts where main_ppo validates (permanent)",
-          "driver.prepare_trainer_config"),
-    Patch("prepass_batched_logsumexp", "verl.utils.torch_functional.logprobs_from_logits_v2",
-          "verl.utils.torch_functional.logprobs_from_logits_v2(logits, labels)",
-          "inside the no-grad prepass forward only, restored afterwards", "engine.logprobs.batched_logsumexp"),
-    Patch("log_prob_pass_context", "verl.workers.engine_workers.TrainingWorker.infer_batch",
-          "verl.workers.engine_workers.TrainingWorker.infer_batch(self, data)",
-          "every process that imports the plugin and can import verl's engine workers (permanent)",
-          "engine.patches.install_reuse -> engine.kept_pass.log_prob_pass"),
-    Patch("log_prob_pass_keep", "verl.workers.engine.base.BaseEngine.infer_batch",
-          "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead inherits BaseEngine.infer_batch",
-          "every process that imports the plugin (permanent); keeps only inside log_prob_pass_context",
-          "engine.kept_pass.after_infer_batch"),
-    Patch("proxy_log_prob_in_pass", "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs",
-          "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs(self, output, "
-          "output_args, micro_batch, logits_processor_func)",
-          "every process that imports the plugin (permanent); computes only where a micro-batch carries "
-          "PROXY_REQUEST_KEY (the log-prob pass of a mode with ModeSpec.proxy_min_p)", "engine.proxy.prepare_model_outputs_with_proxy"),
-    Patch("weight_restore_bumps_version",
-          "verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu (and fsdp1_sharded_load_from_cpu where defined)",
-          "verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu(model, cpu_sharded_state, target_spec) / "
-          "fsdp1_sharded_load_from_cpu(model, cpu_sharded_state)",
-          "every process that imports the plugin (permanent)", "engine.weights.weights_restored"),
-)
+    verl: str
+    install: Optional[Callable[[], None]] = None
+    uninstall: Optional[Callable[[], None]] = None
+    installed: Optional[Callable[[], bool]] = None
 
 
 def install() -> None:
-    """Install the permanent patches (idempotent): ``train_batch_prepass``, ``validate_config_driver_checks`` and
-    the three of verl's-log-prob-pass reuse (:func:`install_reuse`)."""
-    install_hook()
-    install_driver_checks()
-    install_reuse()
+    """Apply every installable patch of :data:`PATCHES`, in order (idempotent); raise
+    :class:`PatchNotInstalledError` naming one that is not in place afterwards."""
+    for entry in PATCHES:
+        if entry.install is None:
+            continue
+        entry.install()
+        if entry.installed is not None and not entry.installed():
+            raise PatchNotInstalledError(f"PATCH {entry.name} ({entry.target}) is not in place after its install")
+
+
+def patch(name: str) -> Patch:
+    """The catalogue's entry ``name``."""
+    for entry in PATCHES:
+        if entry.name == name:
+            return entry
+    raise KeyError(f"no PATCH {name!r}; the catalogue has {[entry.name for entry in PATCHES]}")
+
+
+def _wrapped(owner: Any, name: str) -> bool:
+    return getattr(getattr(owner, name, None), ORIGINAL_ATTR, None) is not None
+
+
+def _unwrap(owner: Any, name: str) -> None:
+    original = getattr(getattr(owner, name, None), ORIGINAL_ATTR, None)
+    if original is not None:
+        setattr(owner, name, original)
+
+
+# ---------------------------------------------------------------------------------------------
+# train_batch_prepass
 
 
 def install_hook() -> None:
@@ -138,14 +134,16 @@ def install_hook() -> None:
 
 def is_hook_installed() -> bool:
     """True when PATCH ``train_batch_prepass`` is active in this process."""
-    return getattr(BaseEngine.train_batch, ORIGINAL_ATTR, None) is not None
+    return _wrapped(BaseEngine, "train_batch")
 
 
 def uninstall_hook() -> None:
     """Restore verl's own ``BaseEngine.train_batch`` (for tests)."""
-    original = getattr(BaseEngine.train_batch, ORIGINAL_ATTR, None)
-    if original is not None:
-        BaseEngine.train_batch = original
+    _unwrap(BaseEngine, "train_batch")
+
+
+# ---------------------------------------------------------------------------------------------
+# validate_config_driver_checks
 
 
 def install_driver_checks() -> None:
@@ -170,11 +168,23 @@ def install_driver_checks() -> None:
     replace_validate_config(current, validate_config)
 
 
-# ---------------------------------------------------------------------------------------------
-# Reuse of verl's log-prob pass (engine/kept_pass.py, engine/reuse.py)
+def _driver_checks_installed() -> bool:
+    import verl.utils.config as verl_config
 
-#: verl's sharded restore helpers PATCH ``weight_restore_bumps_version`` wraps (module verl.utils.fsdp_utils)
-RESTORE_HELPERS = ("fsdp1_sharded_load_from_cpu", "fsdp2_sharded_load_from_cpu")
+    return _wrapped(verl_config, "validate_config")
+
+
+def _uninstall_driver_checks() -> None:
+    import verl.utils.config as verl_config
+
+    current = verl_config.validate_config
+    original = getattr(current, ORIGINAL_ATTR, None)
+    if original is not None:
+        replace_validate_config(current, original)
+
+
+# ---------------------------------------------------------------------------------------------
+# log_prob_pass_context, log_prob_pass_keep, proxy_log_prob_in_pass, weight_restore_bumps_version
 
 
 def _training_worker_class():
@@ -198,7 +208,8 @@ def _log_prob_pass_of(worker, data):
         return contextlib.nullcontext()
     from verl.utils import tensordict_utils as tu
 
-    if tu.get_non_tensor_data(data=data, key="no_lora_adapter", default=False):
+    # read before verl's infer_batch pops it (a seam: seams.NO_LORA_ADAPTER_KEY)
+    if tu.get_non_tensor_data(data=data, key=seams.NO_LORA_ADAPTER_KEY, default=False):
         return contextlib.nullcontext()  # the LoRA reference pass: the adapter is off, not the actor's policy
     try:
         settings = mode.read_settings(config)
@@ -207,17 +218,19 @@ def _log_prob_pass_of(worker, data):
     reads_batch_entropy = mode.reads_batch_entropy  # a once-per-trainer-step rule: every layout (engine/schedule.py)
     if mode.proxy_min_p is not None:  # pi_old's proxy log-probs, held for every step of the update
         return proxy_log_prob_pass(engine, data, mode.proxy_min_p(settings), keep_entropy=mode.reads_entropy(settings),
-                           batch_entropy=reads_batch_entropy)
+                                   batch_entropy=reads_batch_entropy)
     if settings.prepass_layout == OLD_POLICY_LAYOUT:  # pi_old's entropy, held for every step of the update
         keep = mode.reads_entropy(settings)
         if not keep and not reads_batch_entropy:
             return contextlib.nullcontext()  # old_log_probs travel with the batch: nothing to keep
-        return kept_pass.log_prob_pass(engine, keep_entropy=True, hold=True, keep=keep, batch_entropy=reads_batch_entropy)
+        return kept_pass.log_prob_pass(engine, keep_entropy=True, hold=True, keep=keep,
+                                       batch_entropy=reads_batch_entropy)
     if settings.prepass_layout != "infer":
         if not reads_batch_entropy:
             return contextlib.nullcontext()
         return kept_pass.log_prob_pass(engine, keep_entropy=False, keep=False, batch_entropy=True)
-    return kept_pass.log_prob_pass(engine, keep_entropy=mode.reads_entropy(settings), batch_entropy=reads_batch_entropy)
+    return kept_pass.log_prob_pass(engine, keep_entropy=mode.reads_entropy(settings),
+                                   batch_entropy=reads_batch_entropy)
 
 
 @contextlib.contextmanager
@@ -234,58 +247,51 @@ def proxy_log_prob_pass(engine, data: TensorDict, min_p: float, *, keep_entropy:
             del data[PROXY_REQUEST_KEY]
 
 
-def install_reuse() -> None:
-    """Install PATCHES ``log_prob_pass_context``, ``log_prob_pass_keep``, ``proxy_log_prob_in_pass`` and
-    ``weight_restore_bumps_version`` (idempotent)."""
-    import verl.utils.fsdp_utils as fsdp_utils
-
+def _install_log_prob_pass_context() -> None:
+    """Install PATCH ``log_prob_pass_context`` (idempotent; nothing where verl's engine workers cannot be imported)."""
     worker_class = _training_worker_class()
-    if worker_class is not None and getattr(worker_class.infer_batch, ORIGINAL_ATTR, None) is None:
-        current_worker_infer = worker_class.infer_batch
+    if worker_class is None or _wrapped(worker_class, "infer_batch"):
+        return
+    current_worker_infer = worker_class.infer_batch
 
-        @functools.wraps(current_worker_infer)  # keeps verl's @register dispatch attributes
-        def worker_infer_batch(self, data, *args, **kwargs):
-            try:
-                context = _log_prob_pass_of(self, data)
-            except Exception:  # never verl's pass's failure: nothing is kept, the update runs the prepass
-                context = contextlib.nullcontext()
-            with context:
-                return current_worker_infer(self, data, *args, **kwargs)
-
-        setattr(worker_infer_batch, ORIGINAL_ATTR, current_worker_infer)
-        worker_class.infer_batch = worker_infer_batch
-
-    install_proxy()
-
-    if getattr(BaseEngine.infer_batch, ORIGINAL_ATTR, None) is None:
-        current_infer = BaseEngine.infer_batch
-
-        @functools.wraps(current_infer)
-        def infer_batch(self, data: TensorDict, loss_function: Callable = None, *args, **kwargs) -> Any:
-            outputs = current_infer(self, data, loss_function, *args, **kwargs)
-            kept_pass.after_infer_batch(self, data, outputs)
-            return outputs
-
-        setattr(infer_batch, ORIGINAL_ATTR, current_infer)
-        BaseEngine.infer_batch = infer_batch
-
-    for name in RESTORE_HELPERS:
-        current_restore = getattr(fsdp_utils, name, None)
-        if current_restore is None or getattr(current_restore, ORIGINAL_ATTR, None) is not None:
-            continue
-        setattr(fsdp_utils, name, _restore_wrapper(current_restore))
-
-
-def _restore_wrapper(current: Callable) -> Callable:
-    @functools.wraps(current)
-    def restore(model, *args, **kwargs):
+    @functools.wraps(current_worker_infer)  # keeps verl's @register dispatch attributes
+    def worker_infer_batch(self, data, *args, **kwargs):
         try:
-            return current(model, *args, **kwargs)
-        finally:  # even a restore that failed halfway has written some parameters
-            weights.weights_restored(model)
+            context = _log_prob_pass_of(self, data)
+        except Exception:  # never verl's pass's failure: nothing is kept, the update runs the prepass
+            context = contextlib.nullcontext()
+        with context:
+            return current_worker_infer(self, data, *args, **kwargs)
 
-    setattr(restore, ORIGINAL_ATTR, current)
-    return restore
+    setattr(worker_infer_batch, ORIGINAL_ATTR, current_worker_infer)
+    worker_class.infer_batch = worker_infer_batch
+
+
+def _log_prob_pass_context_installed() -> bool:
+    worker_class = _training_worker_class()
+    return worker_class is None or _wrapped(worker_class, "infer_batch")
+
+
+def _uninstall_log_prob_pass_context() -> None:
+    worker_class = _training_worker_class()
+    if worker_class is not None:
+        _unwrap(worker_class, "infer_batch")
+
+
+def _install_log_prob_pass_keep() -> None:
+    """Install PATCH ``log_prob_pass_keep`` (idempotent)."""
+    if _wrapped(BaseEngine, "infer_batch"):
+        return
+    current_infer = BaseEngine.infer_batch
+
+    @functools.wraps(current_infer)
+    def infer_batch(self, data: TensorDict, loss_function: Callable = None, *args, **kwargs) -> Any:
+        outputs = current_infer(self, data, loss_function, *args, **kwargs)
+        kept_pass.after_infer_batch(self, data, outputs)
+        return outputs
+
+    setattr(infer_batch, ORIGINAL_ATTR, current_infer)
+    BaseEngine.infer_batch = infer_batch
 
 
 def _lm_head_engine_class():
@@ -310,21 +316,124 @@ def install_proxy() -> None:
     engine_class.prepare_model_outputs = prepare_model_outputs
 
 
+def _fsdp_utils():
+    import verl.utils.fsdp_utils as fsdp_utils
+
+    return fsdp_utils
+
+
+def _install_weight_restore_bumps_version() -> None:
+    """Install PATCH ``weight_restore_bumps_version`` on each of verl's restore helpers it defines (idempotent)."""
+    fsdp_utils = _fsdp_utils()
+    for name in RESTORE_HELPERS.values():
+        current_restore = getattr(fsdp_utils, name, None)
+        if current_restore is None or getattr(current_restore, ORIGINAL_ATTR, None) is not None:
+            continue
+        setattr(fsdp_utils, name, _restore_wrapper(current_restore))
+
+
+def _restore_wrapper(current: Callable) -> Callable:
+    @functools.wraps(current)
+    def restore(model, *args, **kwargs):
+        try:
+            return current(model, *args, **kwargs)
+        finally:  # even a restore that failed halfway has written some parameters
+            weights.weights_restored(model)
+
+    setattr(restore, ORIGINAL_ATTR, current)
+    return restore
+
+
+def _weight_restore_installed() -> bool:
+    fsdp_utils = _fsdp_utils()
+    return all(_wrapped(fsdp_utils, name) for name in RESTORE_HELPERS.values() if hasattr(fsdp_utils, name))
+
+
+def _uninstall_weight_restore() -> None:
+    fsdp_utils = _fsdp_utils()
+    for name in RESTORE_HELPERS.values():
+        _unwrap(fsdp_utils, name)
+
+
+def install_reuse() -> None:
+    """Install the catalogue's patches of verl's log-prob pass: ``log_prob_pass_context``, ``proxy_log_prob_in_pass``,
+    ``log_prob_pass_keep`` and ``weight_restore_bumps_version`` (idempotent)."""
+    for name in REUSE_PATCHES:
+        patch(name).install()
+
+
 def is_reuse_installed() -> bool:
     """True when PATCH ``log_prob_pass_keep`` is active in this process."""
-    return getattr(BaseEngine.infer_batch, ORIGINAL_ATTR, None) is not None
+    return _wrapped(BaseEngine, "infer_batch")
 
 
 def uninstall_reuse() -> None:
-    """Restore verl's own functions of the three reuse patches (for tests)."""
-    import verl.utils.fsdp_utils as fsdp_utils
+    """Restore verl's own functions of the reuse patches (for tests)."""
+    for name in REUSE_PATCHES:
+        patch(name).uninstall()
 
-    worker_class = _training_worker_class()
-    targets = [(BaseEngine, "infer_batch"), (_lm_head_engine_class(), "prepare_model_outputs")] + [
-        (fsdp_utils, name) for name in RESTORE_HELPERS]
-    if worker_class is not None:
-        targets.append((worker_class, "infer_batch"))
-    for owner, name in targets:
-        original = getattr(getattr(owner, name, None), ORIGINAL_ATTR, None)
-        if original is not None:
-            setattr(owner, name, original)
+
+# ---------------------------------------------------------------------------------------------
+# The catalogue
+
+#: The patches of verl's log-prob pass (:func:`install_reuse`).
+REUSE_PATCHES = ("log_prob_pass_context", "proxy_log_prob_in_pass", "log_prob_pass_keep",
+                 "weight_restore_bumps_version")
+_FSDP = "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead"
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("train_batch_prepass", "verl.workers.engine.base.BaseEngine.train_batch",
+          "verl.workers.engine.base.BaseEngine.train_batch(self, data, loss_function)",
+          "every process that imports the plugin (permanent)", "engine.step.train_batch_with_prepass",
+          "workers/engine/base.py BaseEngine.train_batch: 0.9.1 ~113, 0.8.0 and main 1dda039b the same method",
+          install=install_hook, uninstall=uninstall_hook, installed=is_hook_installed),
+    Patch("validate_config_driver_checks", "verl.utils.config.validate_config (and main_ppo's imported copy)",
+          "verl.utils.config.validate_config(config, use_reference_policy, use_critic)",
+          "every process that imports the plugin; acts where main_ppo validates (permanent)",
+          "driver.prepare_trainer_config",
+          "utils/config.py validate_config; called by trainer/main_ppo.py before ray.init (0.9.1, main 1dda039b), in "
+          "the TaskRunner (0.8.0)",
+          install=install_driver_checks, uninstall=_uninstall_driver_checks, installed=_driver_checks_installed),
+    Patch("prepass_batched_logsumexp", "verl.utils.torch_functional.logprobs_from_logits_v2",
+          "verl.utils.torch_functional.logprobs_from_logits_v2(logits, labels)",
+          "inside the no-grad prepass forward only (engine.logprobs.batched_logsumexp), restored afterwards",
+          "engine.logprobs.log_probs_in_place",
+          "utils/torch_functional.py logprobs_from_logits_v2: 0.9.1 ~173, the path logprobs_from_logits takes without "
+          "flash-attn's cross-entropy kernel (or with VERL_DISABLE_FLASH_ATTN_CE=1) and without NPU kernels"),
+    Patch("log_prob_pass_context", "verl.workers.engine_workers.TrainingWorker.infer_batch",
+          "verl.workers.engine_workers.TrainingWorker.infer_batch(self, data)",
+          "every process that imports the plugin and can import verl's engine workers (permanent)",
+          "engine.patches._log_prob_pass_of -> engine.kept_pass.log_prob_pass",
+          "workers/engine_workers.py TrainingWorker.infer_batch: 0.9.1 ~398 (pops no_lora_adapter ~402), "
+          "0.8.0 ~380, main 1dda039b ~400",
+          install=_install_log_prob_pass_context, uninstall=_uninstall_log_prob_pass_context,
+          installed=_log_prob_pass_context_installed),
+    Patch("proxy_log_prob_in_pass", f"{_FSDP}.prepare_model_outputs",
+          f"{_FSDP}.prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func)",
+          "every process that imports the plugin (permanent); computes only where a micro-batch carries "
+          "PROXY_REQUEST_KEY (the log-prob pass of a mode with ModeSpec.proxy_min_p)",
+          "engine.proxy.prepare_model_outputs_with_proxy",
+          "workers/engine/fsdp/transformer_impl.py prepare_model_outputs: 0.9.1 ~1332, 0.8.0 ~1067, main 1dda039b "
+          "~1308 (the logits exist there in the packed and the padded branch)",
+          install=install_proxy, uninstall=lambda: _unwrap(_lm_head_engine_class(), "prepare_model_outputs"),
+          installed=lambda: _wrapped(_lm_head_engine_class(), "prepare_model_outputs")),
+    Patch("log_prob_pass_keep", "verl.workers.engine.base.BaseEngine.infer_batch",
+          f"{_FSDP} inherits BaseEngine.infer_batch",
+          "every process that imports the plugin (permanent); keeps only inside log_prob_pass_context",
+          "engine.kept_pass.after_infer_batch",
+          "workers/engine/base.py BaseEngine.infer_batch: 0.9.1 ~134, inherited by the FSDP engine",
+          install=_install_log_prob_pass_keep, uninstall=lambda: _unwrap(BaseEngine, "infer_batch"),
+          installed=is_reuse_installed),
+    Patch("weight_restore_bumps_version",
+          "verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu (and fsdp1_sharded_load_from_cpu where defined)",
+          "verl.utils.fsdp_utils.fsdp2_sharded_load_from_cpu(model, cpu_sharded_state, target_spec) / "
+          "fsdp1_sharded_load_from_cpu(model, cpu_sharded_state)",
+          "every process that imports the plugin (permanent)", "engine.weights.weights_restored",
+          "utils/fsdp_utils.py (fsdp1's helper from 0.9.1 on); called by experimental/separation/engine_workers.py "
+          "DetachActorWorker.restore_model_from_cpu, which imports the helper at call time (a seam)",
+          install=_install_weight_restore_bumps_version, uninstall=_uninstall_weight_restore,
+          installed=_weight_restore_installed),
+    *(Patch(guard.name, guard.target, guard.seam,
+            "only in a process whose seam check failed, applied by seams.make_seam_error_visible (never by install())",
+            f"seams.{guard.apply.__name__}", guard.verl) for guard in seams.SEAM_ERROR_GUARDS),
+)

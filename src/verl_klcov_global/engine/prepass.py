@@ -188,7 +188,7 @@ def optimizer_states_off_device(engine: BaseEngine, layout: str) -> Iterator[boo
     optimizer = getattr(engine, "optimizer", None)
     move = (
         layout == "infer"
-        and bool(getattr(engine, "is_optimizer_offload_enabled", False))
+        and bool(engine.is_optimizer_offload_enabled)  # a property of verl's FSDP engine (a seam, seams.py)
         and optimizer is not None
         and any(value.device.type == device for value in _optimizer_state_tensors(optimizer))
     )
