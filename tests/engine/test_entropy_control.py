@@ -32,6 +32,7 @@ from verl_klcov_global.layout import fit_width
 from verl_klcov_global.modes import MODES
 
 from ..support.gloo import spawn_gloo
+from ..support.noise_floor import ratio_to_control
 from ..support.workers import build_training_worker
 
 pytestmark = pytest.mark.slow  # verl's real engine and worker on CPU: the slow tier
@@ -146,12 +147,13 @@ STEPS_ROWS, STEPS_MINI, STEPS_EPOCHS = 32, 8, 2  # 4 minibatches x 2 epochs = 8 
 
 
 def _trajectory(model_path: str, batch, mode: str, micro_batch_size: int, target: float = TARGET):
-    from verl_klcov_global.lab import cpu
+    """The run's steering per optimizer step, and its parameters after the update (a full state dict)."""
+    from ..support.workers import full_state_dict
 
     worker = build_training_worker(model_path)
     _, steps = _train(worker, batch, mode, micro_batch_size=micro_batch_size, mini_batch_size=STEPS_MINI,
                       epochs=STEPS_EPOCHS, target=target)
-    return [steering for _, steering in steps], cpu.engine_params_flat(worker.engine)
+    return [steering for _, steering in steps], full_state_dict(worker.engine)
 
 
 @pytest.mark.parametrize("mode", list(CONFIGS))
@@ -180,12 +182,12 @@ def test_later_steps_agree_to_the_float_noise_and_the_floor_only_strengthens_the
     above, _ = _trajectory(tiny_model_path, batch, mode, STEPS_MINI, target=BELOW)  # the entropy above its floor
     assert all(s.decision.entropy > BELOW for s in above)
     assert [s.decision.ratio_in_use for s in above] == [pytest.approx(math.exp(user), rel=1e-15)] * len(above)
-    control = float((vanilla_one - vanilla_four).abs().max())
-    ours = float((params_one - params_four).abs().max())
-    assert control > 0 and ours <= NOISE_FACTOR * control, (ours, control)
+    # tensor by tensor against vanilla's floor (support/noise_floor.py): one rounding of a norm weight near 1 is
+    # 16x the whole noise of the weights near 0.04, and which element rounds is luck, not the method
+    ratio = ratio_to_control(params_one, params_four, vanilla_one, vanilla_four)
+    assert ratio <= NOISE_FACTOR, ratio
     print(f"\n[{mode}] {len(one)} steps: ln(ratio) moved {movement:.3f} ({direction}), 1 vs 4 micro-batches differ by "
-          f"at most {layout_gap:.1e} in ln(ratio); parameters {ours:.1e} apart vs vanilla's {control:.1e} "
-          f"({ours / control:.2f}x)")
+          f"at most {layout_gap:.1e} in ln(ratio); parameters {ratio:.2f}x vanilla's noise floor, tensor by tensor")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,13 +76,13 @@ def _count_forwards(monkeypatch, engine) -> list:
     return calls
 
 
-def _expected_selection(worker, data, batch, pass_log_probs, pass_entropy):
-    """The mode's selection on pi_old's statistics of ``data``'s rows, found in ``batch`` by content."""
-    config = worker.loss_fn.keywords["config"]
-    mode = global_mode_of(config)
+def _expected_selection(worker, data, batch, pass_log_probs, pass_entropy, settings):
+    """The mode's selection with the step's ``settings`` on pi_old's statistics of ``data``'s rows, found in ``batch``
+    by content."""
+    mode = global_mode_of(worker.loss_fn.keywords["config"])
     index = row_indices(data, batch)
-    entropy = pass_entropy[index] if mode.reads_entropy(mode.read_settings(config)) else None
-    return mode.select_minibatch(pass_log_probs[index], data, mode.read_settings(config), None, entropy=entropy)
+    entropy = pass_entropy[index] if mode.reads_entropy(settings) else None
+    return mode.select_minibatch(pass_log_probs[index], data, settings, None, entropy=entropy)
 
 
 @pytest.mark.parametrize("layout", ["v1", "legacy"])
@@ -98,7 +98,7 @@ def test_every_optimizer_step_selects_from_pi_old_with_no_forward(worker, monkey
     assert len(steps) == 4
     for data, result, _ in steps:
         assert result.from_old_policy and not result.reused and result.prepass_seconds == 0.0
-        expected = _expected_selection(worker, data, batch, pass_log_probs, pass_entropy)
+        expected = _expected_selection(worker, data, batch, pass_log_probs, pass_entropy, result.settings)
         assert torch.equal(result.selection.mask, expected.mask)
         assert 0 < int(result.selection.mask.sum()) < int(result.selection.num_valid)  # a real selection
     data, _, (current, _) = steps[3]
@@ -206,7 +206,7 @@ def test_kl_cov_reads_only_the_old_log_probs_verl_hands_the_update(worker, monke
     update(worker, batch, mini_batch=MINI, epochs=EPOCHS)
     for data, result, _ in steps:
         assert torch.equal(result.selection.mask,
-                           _expected_selection(worker, data, batch, pass_log_probs, pass_entropy).mask)
+                           _expected_selection(worker, data, batch, pass_log_probs, pass_entropy, result.settings).mask)
 
 
 # ---------------------------------------------------------------------------------------------
