@@ -202,7 +202,7 @@ def verl_policy_loss(name: str, compute: Callable[..., tuple[torch.Tensor, dict[
 
 
 def dual_clip_ppo_losses(old_log_prob, log_prob, advantages, response_mask, settings):
-    """verl's ``vanilla`` dual-clip PPO per-token loss (verl 0.9.1 core_algos.py ~1286), and its metrics.
+    """verl's ``vanilla`` dual-clip PPO per-token loss (``core_algos.compute_policy_loss_vanilla``), and its metrics.
 
     With ``r = exp(clamp(logp - old_logp, -20, 20))``: ``l1 = max(-A r, -A clamp(r, 1 - clip_ratio_low,
     1 + clip_ratio_high))``; where ``A < 0``, ``min(l1, -A clip_ratio_c)`` (dual clip), else ``l1``; the clip knobs

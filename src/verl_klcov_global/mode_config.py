@@ -79,7 +79,7 @@ DEFAULT_ENTROPY_CONTROL_HYSTERESIS = DEFAULT_HYSTERESIS
 #: below the smaller, 25x above the larger, at the ratio-units warning); the 80/20 rule's from 1% of the tokens
 #: to all of them (1 = vanilla: the mode cannot lower entropy further).
 DEFAULT_COV_CONTROL_BOUNDS = (1e-5, 0.05)
-# verl vanilla's fallback for the dual-clip bound when the actor config has none (core_algos.py ~1323).
+# verl vanilla's fallback for the dual-clip bound when the actor config has none (compute_policy_loss_vanilla).
 DEFAULT_CLIP_RATIO_C = 3.0
 
 

@@ -1,8 +1,8 @@
 """The old policy's entropy over the trainer step's whole batch, in the worker: verl's driver-side ``actor/entropy``.
 
 verl's trainers run the actor's log-prob pass with ``calculate_entropy=True`` once per trainer step and the driver
-logs ``actor/entropy = agg_loss(entropy, response_mask, loss_agg_mode)`` over the whole batch (verl 0.9.1
-``trainer/ppo/ray_trainer.py`` ~1586, ``v1/trainer_base.py`` ~1676). That figure never reaches the workers. A mode
+logs ``actor/entropy = agg_loss(entropy, response_mask, loss_agg_mode)`` over the whole batch (the legacy trainer's
+``ray_trainer.py``, the v1 trainer's ``trainer_base.py``). That figure never reaches the workers. A mode
 whose rule reads it once per trainer step (STARE's gate, ``ModeSpec.update_rule``) gets it here instead:
 
 1. :func:`record_pass` (called by PATCH ``log_prob_pass_keep`` for a pass opened with ``batch_entropy=True``, in

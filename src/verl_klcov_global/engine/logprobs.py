@@ -1,8 +1,8 @@
 """PATCH ``prepass_batched_logsumexp``: the prepass's no-grad log-probs of all rows at once, in place in the logits.
 
 :func:`batched_logsumexp` swaps ``verl.utils.torch_functional.logprobs_from_logits_v2``
-(verl 0.9.1 ~173: the path ``logprobs_from_logits`` takes without flash-attn's cross-entropy
-kernel or with ``VERL_DISABLE_FLASH_ATTN_CE=1``, and without NPU kernels) while the no-grad
+(the path ``logprobs_from_logits`` takes without flash-attn's cross-entropy kernel or with
+``VERL_DISABLE_FLASH_ATTN_CE=1``, and without NPU kernels; the patch catalogue names the verl code) while the no-grad
 prepass runs; restored afterwards. Its signature ``(logits, labels)`` is checked once, at import,
 by :mod:`verl_klcov_global.seams`. verl loops over rows and allocates one row of temporaries per
 ``logsumexp``; for float32/float64 logits :func:`log_probs_in_place` computes

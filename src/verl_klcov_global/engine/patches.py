@@ -399,7 +399,10 @@ PATCHES: tuple[Patch, ...] = (
           "inside the no-grad prepass forward only (engine.logprobs.batched_logsumexp), restored afterwards",
           "engine.logprobs.log_probs_in_place",
           "utils/torch_functional.py logprobs_from_logits_v2: 0.9.1 ~173, the path logprobs_from_logits takes without "
-          "flash-attn's cross-entropy kernel (or with VERL_DISABLE_FLASH_ATTN_CE=1) and without NPU kernels"),
+          "flash-attn's cross-entropy kernel (or with VERL_DISABLE_FLASH_ATTN_CE=1) and without NPU kernels. Off "
+          "where the step reads entropy: 0.9.1 computes the entropy before the log-probs (transformer_impl.py "
+          "~1397-1431), 0.8.0's packed path after them, from the logits the patch overwrites (the entropy then moved "
+          "by up to 1e-2 on the tiny model, CPU)"),
     Patch("log_prob_pass_context", "verl.workers.engine_workers.TrainingWorker.infer_batch",
           "verl.workers.engine_workers.TrainingWorker.infer_batch(self, data)",
           "every process that imports the plugin and can import verl's engine workers (permanent)",
@@ -414,7 +417,8 @@ PATCHES: tuple[Patch, ...] = (
           "PROXY_REQUEST_KEY (the log-prob pass of a mode with ModeSpec.proxy_min_p)",
           "engine.proxy.prepare_model_outputs_with_proxy",
           "workers/engine/fsdp/transformer_impl.py prepare_model_outputs: 0.9.1 ~1332, 0.8.0 ~1067, main 1dda039b "
-          "~1308 (the logits exist there in the packed and the padded branch)",
+          "~1308 (the logits exist there in the packed and the padded branch; verl's top-k distillation passes the "
+          "loss function there as logits_processor_func, 0.9.1 ~1413, which engine.step passes through)",
           install=install_proxy, uninstall=lambda: _unwrap(_lm_head_engine_class(), "prepare_model_outputs"),
           installed=lambda: _wrapped(_lm_head_engine_class(), "prepare_model_outputs")),
     Patch("log_prob_pass_keep", "verl.workers.engine.base.BaseEngine.infer_batch",

@@ -9,8 +9,10 @@ loss mode alike (the mode only chooses the selection, :mod:`verl_klcov_global.mo
    when the step reads the entropy (``ModeSpec.reads_entropy``: a row that sets
    ``prepass_reads_entropy``, ``high_entropy_global``, or any mode with the entropy controller on),
    :func:`compute_prepass_log_probs_and_entropy` instead: the same forward with verl's
-   ``calculate_entropy=True`` and the patch off, i.e. exactly the code and micro-batches of verl's
-   ``compute_log_prob`` (``infer`` layout), so its entropy is ``compute_log_prob``'s bit for bit;
+   ``calculate_entropy=True`` and the patch off, i.e. the code and micro-batch settings of verl's
+   ``compute_log_prob`` (``infer`` layout). Its micro-batches are formed from this minibatch, verl's from the whole
+   per-rank batch (and static sizes may re-split them), so the entropy equals ``compute_log_prob``'s wherever verl's
+   numerics of a row do not depend on the rows beside it (docs/PREPASS.md says where they do);
 2. with the entropy controller on, one step of its law (:func:`.control.steer`): the ratio knob the
    selection uses this step;
 3. ``mode.select``: the selection over the minibatch and the data-parallel group (then the controller's
@@ -302,15 +304,11 @@ def compute_prepass_log_probs_and_entropy(engine: BaseEngine, data: TensorDict,
     The forward of :func:`compute_prepass_log_probs` (same micro-batches, eval mode, no grad, RNG
     and module mode restored) with verl's ``calculate_entropy=True``: the entropy is computed by the
     engine's own code (``entropy_from_logits``, or ``entropy_from_logits_with_chunking`` /
-    ``entropy_checkpointing`` / ``use_torch_compile`` / fused kernels as configured), so it is
-    bit-identical to the entropy verl's ``compute_log_prob`` returns for the same rows in the same
-    micro-batches (the ``infer`` layout is ``compute_log_prob``'s). PATCH
-    ``prepass_batched_logsumexp`` is off here, so the forward is exactly ``compute_log_prob``'s code
-    path (and holds at most its memory): the patch overwrites the logits in place, and the entropy is
-    computed from the same logits. verl 0.9.1 computes the entropy first (``transformer_impl.py``
-    ~1397-1431), but verl 0.8.0's packed path (``use_remove_padding``) computes the log-probs first:
-    there the patch would change the entropy (measured on the tiny model on CPU: max |difference|
-    1e-2; 0 on 0.9.1).
+    ``entropy_checkpointing`` / ``use_torch_compile`` / fused kernels as configured), so for the same rows in
+    the same micro-batches it is the entropy verl's ``compute_log_prob`` returns, bit for bit. PATCH
+    ``prepass_batched_logsumexp`` is off here, so the forward is exactly ``compute_log_prob``'s code path (and
+    holds at most its memory): the patch overwrites the logits in place, and verl may compute the entropy from
+    them after the log-probs (the patch catalogue says which verl does).
     """
     return _prepass_forward(engine, data, layout, calculate_entropy=True)
 

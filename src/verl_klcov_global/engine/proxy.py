@@ -5,7 +5,7 @@ probability below ``kappa * max p`` removed and the rest renormalised (a min-p f
 sampled token is needed. It must be the old policy's, so it is computed in verl's own log-prob pass
 (``compute_log_prob``, the parameters pi_old), in PATCH ``proxy_log_prob_in_pass`` (:mod:`.patches`): a wrapper
 of ``FSDPEngineWithLMHead.prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func)``
-(verl 0.9.1 ``workers/engine/fsdp/transformer_impl.py`` ~1332; 0.8.0 ~1067; main at 1dda039b ~1308), which reads
+(the verl code it targets, by version, is in the patch catalogue), which reads
 ``output.logits`` before verl's own code (which may scale them in place by the temperature) and adds
 :data:`PROXY_OUTPUT_KEY` to the model output. verl's ``postprocess_batch_func`` concatenates every model-output key
 of the micro-batches and undoes dynamic batching's reordering, so the key arrives per row like ``log_probs``;
@@ -24,10 +24,9 @@ regularised). verl hands this code the untempered logits, so the formula is exac
 conversion and no refusal is needed at ``T != 1``.
 
 **Cost.** fp32, in row chunks of :data:`CHUNK_ROWS` positions: a ``(chunk, vocab)`` fp32 copy of the logits, its
-support mask and the scaled logits live at once (about ``9 * chunk * vocab`` bytes: 2.2 GiB at chunk 1,024 and
-Qwen2.5's 151,936 tokens, 0.1 GiB for SmolLM2's 49,152 at chunk 256); out: 4 bytes per token. Time: one max, one
-masked logsumexp and one gather over the vocabulary per position, about as much as verl's own log-softmax
-(``benchmarks``: the measured ratio). ``use_fused_kernels`` has no logits and is refused, as verl refuses
+support mask and the scaled logits live at once (about ``9 * chunk * vocab`` bytes); out: 4 bytes per token. Time:
+one max, one masked logsumexp and one gather over the vocabulary per position (docs/LP_REG.md and
+docs/BENCHMARKS.md: what that costs). ``use_fused_kernels`` has no logits and is refused, as verl refuses
 ``calculate_sum_pi_squared`` there.
 """
 

@@ -207,8 +207,8 @@ def _loss_with_mask_slice(loss_function: Callable, step_settings: Any, *args, _t
     field, each sliced like the mask: the proxy of a mode with ``proxy_min_p``).
 
     verl also passes the same function as a logits processor for top-k distillation
-    (``logits_processor_func(student_logits=..., data=...)``, verl 0.9.1
-    transformer_impl.py ~1413): such calls compute no policy loss and go through untouched.
+    (``logits_processor_func(student_logits=..., data=...)``, in the FSDP engine's ``prepare_model_outputs``): such
+    calls compute no policy loss and go through untouched.
     """
     if "student_logits" in kwargs:
         return loss_function(*args, **kwargs)

@@ -26,7 +26,7 @@ from ...mode_config import (
 from .selection import validate_clip_cov_ratio, validate_clip_cov_seed, validate_clip_cov_window
 
 
-#: Upstream clip_cov's fallbacks when a field is None (verl 0.9.1 core_algos.py ~1790).
+#: Upstream clip_cov's fallbacks when a field is None (``core_algos.compute_policy_loss_clip_cov``).
 UPSTREAM_FALLBACKS = {"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0}
 DEFAULT_CLIP_COV_SEED = 0
 

@@ -13,7 +13,8 @@ class ClipCovMaskUnavailableError(SelectionMaskUnavailableError):
 
 
 def clip_cov_objective(old_log_prob, log_prob, advantages, response_mask, mask, settings):
-    """verl's ``clip_cov`` per-token loss (verl 0.9.1 core_algos.py ~1744) with its random selection replaced by ``mask``.
+    """verl's ``clip_cov`` per-token loss (``core_algos.compute_policy_loss_clip_cov``) with its random selection
+    replaced by ``mask``.
 
     With ``r = exp(logp - old_logp)``: ``max(-A r, -A clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``,
     times ``corr = 0`` where ``mask`` is set (1 elsewhere; those tokens still count in the

@@ -3,7 +3,7 @@
 It answers one question for one optimizer minibatch, possibly sharded over a
 data-parallel group: *which tokens get their gradient cut (``corr = 0``)?*
 
-Semantics (upstream ``clip_cov``'s, verl 0.9.1 core_algos.py ~1744, applied once over the
+Semantics (upstream ``clip_cov``'s, ``core_algos.compute_policy_loss_clip_cov``, applied once over the
 whole minibatch):
 
 * ``N`` = valid tokens over all ranks: positions where ``response_mask`` is set and the

@@ -13,7 +13,7 @@ class HighEntropyMaskUnavailableError(SelectionMaskUnavailableError):
 
 
 def high_entropy_objective(old_log_prob, log_prob, advantages, response_mask, mask, settings):
-    """verl's ``vanilla`` PPO-clip per-token loss (verl 0.9.1 core_algos.py ~1286) on ``where(mask, A, 0)``.
+    """verl's ``vanilla`` PPO-clip per-token loss (``core_algos.compute_policy_loss_vanilla``) on ``where(mask, A, 0)``.
 
     The paper's objective (Wang et al. 2025, arXiv:2506.01939, J_HighEnt): the clipped surrogate
     of every token times the indicator ``H_t >= tau`` (here: ``mask``, the top ``entropy_top_ratio``

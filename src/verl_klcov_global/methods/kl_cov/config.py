@@ -28,7 +28,7 @@ from .selection import validate_kl_cov_ratio
 #: lowest entropy than the paper's 0.002 on average over 3 seeds; 0.05 held a lower one (docs/EVIDENCE.md; no ratio
 #: held more in every seed, hence the driver's ``entropy-floor-unproven`` warning).
 DEFAULT_KL_COV_CONTROL_BOUNDS = (1e-5, 0.02)
-#: Upstream kl_cov's fallbacks when a field is None (verl 0.9.1 core_algos.py ~1884).
+#: Upstream kl_cov's fallbacks when a field is None (``core_algos.compute_policy_loss_kl_cov``).
 UPSTREAM_FALLBACKS = {"kl_cov_ratio": 0.0002, "ppo_kl_coef": 1.0}
 
 

@@ -13,7 +13,7 @@ class KLCovMaskUnavailableError(SelectionMaskUnavailableError):
 
 
 def kl_cov_objective(old_log_prob, log_prob, advantages, response_mask, mask, settings):
-    """verl's ``kl_cov`` per-token loss (verl 0.9.1 core_algos.py ~1848) on ``mask``.
+    """verl's ``kl_cov`` per-token loss (``core_algos.compute_policy_loss_kl_cov``) on ``mask``.
 
     ``-A * r`` with ``r = exp(logp - old_logp)``, plus ``settings.ppo_kl_coef * |logp - old_logp|``
     where ``mask`` is set. No PPO clipping, exactly like ``kl_cov``. Metric ``actor/ppo_kl``
