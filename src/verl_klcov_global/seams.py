@@ -384,8 +384,8 @@ RESTORE_HELPERS = {"fsdp": "fsdp1_sharded_load_from_cpu", "fsdp2": "fsdp2_sharde
 def _restore_helpers_are_looked_up_at_call_time() -> None:
     """verl's ``DetachActorWorker`` (``separate_async``) takes its restore helper from ``verl.utils.fsdp_utils`` when it
     is called, so PATCH ``weight_restore_bumps_version``, which rebinds the module's attribute, is the helper it runs.
-    Run on a stand-in worker with the module attribute briefly replaced: the handler it returns must be the
-    replacement. Skipped where verl has no ``DetachActorWorker`` or its module cannot be imported (that route cannot
+    Run on a stand-in worker for each strategy with the module's helpers briefly replaced: the handler it returns must
+    be the replacement. Skipped where verl has no ``DetachActorWorker`` or its module cannot be imported (that route cannot
     run here)."""
     try:
         module = importlib.import_module("verl.experimental.separation.engine_workers")
@@ -396,27 +396,29 @@ def _restore_helpers_are_looked_up_at_call_time() -> None:
     if get_handlers is None:
         return
     fsdp_utils = importlib.import_module("verl.utils.fsdp_utils")
-    for strategy, name in RESTORE_HELPERS.items():
-        current = getattr(fsdp_utils, name, None)
-        if current is None:  # verl 0.8.0 has no fsdp1 helper
-            continue
+    present = {name: getattr(fsdp_utils, name) for name in RESTORE_HELPERS.values() if hasattr(fsdp_utils, name)}
 
-        def replacement(*args: Any, **kwargs: Any) -> None:
-            raise AssertionError("the probe never restores")
+    def replacement(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the probe never restores")
 
+    # verl 0.8.0 has no fsdp1 helper and restores strategy fsdp with the fsdp2 one: any module helper will do, so
+    # long as it is read from the module when the handler is asked for.
+    for name in present:
         setattr(fsdp_utils, name, replacement)
-        try:
-            probe = _Loose(_strategy_handlers=None, config=_Loose(actor=_Loose(strategy=strategy)))
-            handlers = get_handlers(probe)
-        except Exception as error:
-            raise _Moved(f"DetachActorWorker._get_strategy_handlers failed for strategy {strategy} "
-                         f"({type(error).__name__}: {error})") from None
-        finally:
-            setattr(fsdp_utils, name, current)
-        if not (isinstance(handlers, tuple) and len(handlers) == 2 and handlers[1] is replacement):
-            raise _Moved(f"DetachActorWorker's restore handler for {strategy} is not looked up in "
-                         f"verl.utils.fsdp_utils.{name} at call time (a module-level import would bypass the "
-                         "plugin's wrapper)")
+    try:
+        for strategy in RESTORE_HELPERS:
+            try:
+                handlers = get_handlers(_Loose(_strategy_handlers=None, config=_Loose(actor=_Loose(strategy=strategy))))
+            except Exception as error:
+                raise _Moved(f"DetachActorWorker._get_strategy_handlers failed for strategy {strategy} "
+                             f"({type(error).__name__}: {error})") from None
+            if not (isinstance(handlers, tuple) and len(handlers) == 2 and handlers[1] is replacement):
+                raise _Moved(f"DetachActorWorker's restore handler for {strategy} is not looked up in "
+                             f"verl.utils.fsdp_utils ({' or '.join(present)}) at call time (a module-level import "
+                             "would bypass the plugin's wrapper)")
+    finally:
+        for name, helper in present.items():
+            setattr(fsdp_utils, name, helper)
 
 
 #: The keywords verl's ``ppo_loss`` passes to a registered policy loss; the plugin's losses take these.
