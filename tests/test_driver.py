@@ -162,3 +162,71 @@ def test_main_ppo_plain_override_bad_knob_fails_before_ray_starts(tiny_model_pat
     assert "set actor_rollout_ref.actor.policy_loss.kl_cov_ratio" in proc.stdout
     assert not ray_started(proc.stdout), proc.stdout[-3000:]
     print(f"time to the error: {seconds:.1f} s")
+
+
+# -- the same errors where verl's trainer is built (PATCH trainer_config_checks) ---------------------------------
+
+RC = "algorithm.rollout_correction."
+TRAINER_BAD = {  # what an entry point that never calls validate_config must still be refused for, and the key named
+    "bypass-with-rollout-is": ([f"{RC}bypass_mode=True", f"{RC}rollout_is=token"], f"{RC}bypass_mode"),
+    "bad-knob": ([f"{PL}kl_cov_ratio=1.5"], f"set {PL}kl_cov_ratio"),
+}
+
+
+def _verls_trainers():
+    """(name, build(config)) for verl's trainers: the legacy RayPPOTrainer, and the v1 sync trainer where verl has it."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    found = [("legacy", False, lambda config: RayPPOTrainer(config=config, tokenizer=None, role_worker_mapping={},
+                                                             resource_pool_manager=None))]
+    try:
+        from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+    except ImportError:  # verl 0.8.0
+        return found
+    return found + [("v1-sync", True, lambda config: PPOTrainerSync(config=config))]
+
+
+def _frames_in_verl(error: BaseException) -> list[str]:
+    import traceback
+
+    import verl
+
+    verl_dir = verl.__path__[0]
+    return [f"{frame.filename}:{frame.name}" for frame in traceback.extract_tb(error.__traceback__)
+            if frame.filename.startswith(verl_dir)]
+
+
+@pytest.mark.parametrize("case", sorted(TRAINER_BAD))
+def test_an_entry_point_that_skips_validate_config_is_refused_when_it_builds_verls_trainer(case):
+    overrides, key = TRAINER_BAD[case]
+    for name, use_v1, build in _verls_trainers():
+        config = _compose("kl_cov_global", "override", overrides + [f"trainer.use_v1={use_v1}"])
+        with pytest.raises(driver.TrainerConfigError) as in_driver:
+            driver.check_trainer_config(config)
+        with pytest.raises(driver.TrainerConfigError) as in_trainer:
+            build(config)
+        assert str(in_trainer.value) == str(in_driver.value), name
+        assert key in str(in_trainer.value), (name, in_trainer.value)
+        assert _frames_in_verl(in_trainer.value) == [], f"{name}: verl's own __init__ ran before the check"
+
+
+def test_a_good_config_reaches_verls_trainer_and_the_trainer_check_does_not_repeat_warnings():
+    import warnings
+
+    from verl_klcov_global.guardrails import GuardrailWarning
+
+    # one minibatch per step, ppo_epochs=1: the driver warns kl-cov-on-policy
+    config = _compose("kl_cov_global", "override", ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                                                    "trainer.use_v1=False"])
+    with pytest.warns(GuardrailWarning, match="kl-cov|on-policy|penalty"):
+        driver.check_trainer_config(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GuardrailWarning)
+        assert driver.check_in_trainer(config) == "kl_cov_global"
+    name, _, build = _verls_trainers()[0]
+    try:
+        build(config)  # None for the tokenizer and the workers: verl's own __init__ may stop on them, past the check
+    except driver.TrainerConfigError:
+        raise
+    except Exception as error:
+        assert _frames_in_verl(error), f"{type(error).__name__} raised outside verl's {name} trainer: {error}"

@@ -61,7 +61,7 @@ def test_every_patch_of_the_catalogue_is_guarded_by_a_seam():
     """A patch whose target moves must fail at import, by name: each one names a seam that is checked."""
     names = {seam.name for seam in seams.SEAMS}
     assert [patch.name for patch in PATCHES] == [
-        "train_batch_prepass", "validate_config_driver_checks", "prepass_batched_logsumexp",
+        "train_batch_prepass", "validate_config_driver_checks", "trainer_config_checks", "prepass_batched_logsumexp",
         "log_prob_pass_context", "proxy_log_prob_in_pass", "log_prob_pass_keep", "weight_restore_bumps_version",
         "seam_error_loss_registry", "seam_error_validate_config"]
     for patch in PATCHES:
@@ -367,6 +367,19 @@ def test_a_restore_helper_bound_at_import_fails_naming_the_seam(monkeypatch):
 
     message = _seam_error_with(monkeypatch, DetachActorWorker, "_get_strategy_handlers", _get_strategy_handlers)
     assert f"{seams.BEHAVIOUR_RESTORE}: DetachActorWorker's restore handler for fsdp is not looked up" in message
+    assert "1 seam(s)" in message
+
+
+def test_a_trainer_that_takes_its_config_elsewhere_fails_naming_the_seam(monkeypatch):
+    """PATCH trainer_config_checks reads the whole config as the trainer's first argument: a verl trainer built
+    another way would skip the plugin's checks for an entry point that never calls validate_config."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    def __init__(self, tokenizer, config=None):
+        raise AssertionError("never built")
+
+    message = _seam_error_with(monkeypatch, RayPPOTrainer, "__init__", __init__)
+    assert f"{seams.TRAINERS_TAKE_CONFIG}: RayPPOTrainer.__init__ takes ['self', 'tokenizer', 'config']" in message
     assert "1 seam(s)" in message
 
 

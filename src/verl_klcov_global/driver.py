@@ -70,11 +70,12 @@ class TrainerConfigError(ValueError):
     """A trainer config selects a plugin loss mode with a setting the plugin cannot run."""
 
 
-def check_trainer_config(config: DictConfig) -> Optional[str]:
+def check_trainer_config(config: DictConfig, *, warn: bool = True) -> Optional[str]:
     """Check the plugin's knobs in a composed trainer config; return the plugin loss mode it selects, or None.
 
     ``config``: the root ``DictConfig`` ``main_ppo`` gets from Hydra (``actor_rollout_ref.actor`` is read).
-    Raises :class:`TrainerConfigError` naming the key to change.
+    Raises :class:`TrainerConfigError` naming the key to change. ``warn=False``: the errors only (no
+    :class:`~verl_klcov_global.guardrails.GuardrailWarning`).
     """
     actor = OmegaConf.select(config, "actor_rollout_ref.actor", default=None)
     mode = global_mode_of(actor) if actor is not None else None
@@ -92,8 +93,23 @@ def check_trainer_config(config: DictConfig) -> Optional[str]:
         raise TrainerConfigError(f"{MESSAGE_PREFIX}: " + unsupported_strategy_message(
             mode.name, mode.upstream, f"actor_rollout_ref.actor.strategy is {strategy!r}"))
     # Whole-config findings (guardrails.py): errors raise here, warnings go to warnings.warn.
-    guardrails.report(guardrails.findings(config), TrainerConfigError)
+    found = guardrails.findings(config)
+    guardrails.report(found if warn else [f for f in found if f.severity == guardrails.ERROR], TrainerConfigError)
     return mode.name
+
+
+def check_in_trainer(config: Any) -> Optional[str]:
+    """The error-level checks of :func:`check_trainer_config`, where verl's trainer is built (PATCH
+    ``trainer_config_checks``: ``RayPPOTrainer`` and the v1 ``PPOTrainer``, in the TaskRunner).
+
+    A recipe's or a user's own entry point that never calls ``validate_config`` builds one of these trainers,
+    with the whole config, before any worker or forward: it gets the same errors as ``main_ppo``. The warnings
+    come from the driver's check only (where both run, they are not said twice). A config that is not a
+    ``DictConfig`` is left alone (returns None).
+    """
+    if not isinstance(config, DictConfig):
+        return None
+    return check_trainer_config(config, warn=False)
 
 
 def _names(value: Any) -> list[str]:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -421,6 +422,23 @@ def _restore_helpers_are_looked_up_at_call_time() -> None:
             setattr(fsdp_utils, name, helper)
 
 
+#: verl's trainer classes (module, class) whose ``__init__`` PATCH ``trainer_config_checks`` wraps; the v1 one is
+#: absent from verl 0.8.0.
+TRAINER_CLASSES = (("verl.trainer.ppo.ray_trainer", "RayPPOTrainer"), ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer"))
+
+
+def _trainers_take_the_config_first() -> None:
+    """Each trainer of :data:`TRAINER_CLASSES` (the first always, the v1 one where its module imports) takes
+    ``config`` as its first parameter, whose ``__init__`` is its own or a base's that is not ``object``'s."""
+    for index, (module_name, name) in enumerate(TRAINER_CLASSES):
+        if index > 0 and importlib.util.find_spec(module_name.rpartition(".")[0]) is None:
+            continue
+        trainer_class = _attr(module_name, name)
+        found = _params(trainer_class.__init__)
+        if found[:2] != ["self", "config"]:
+            raise _Moved(f"{name}.__init__ takes {found}, not (self, config, ...)")
+
+
 #: The keywords verl's ``ppo_loss`` passes to a registered policy loss; the plugin's losses take these.
 POLICY_LOSS_ARGUMENTS = ["old_log_prob", "log_prob", "advantages", "response_mask", "loss_agg_mode", "config",
                          "rollout_is_weights"]
@@ -442,6 +460,8 @@ BEHAVIOUR_WORKER_KEYS = ("verl.workers.engine_workers.TrainingWorker.train_batch
                          "no_lora_adapter")
 BEHAVIOUR_OFFLOAD = ("verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.is_optimizer_offload_enabled "
                      "(a property of the FSDP engine)")
+TRAINERS_TAKE_CONFIG = ("verl.trainer.ppo.ray_trainer.RayPPOTrainer(config, ...) / "
+                        "verl.trainer.ppo.v1.trainer_base.PPOTrainer(config)")
 BEHAVIOUR_RESTORE = ("verl.experimental.separation.engine_workers.DetachActorWorker looks its restore helper up in "
                      "verl.utils.fsdp_utils at call time")
 
@@ -518,9 +538,10 @@ SEAMS: tuple[Seam, ...] = (
          _fields("verl.workers.config.actor", "ActorConfig",
                  ("policy_loss", "loss_agg_mode", "clip_ratio", "clip_ratio_low", "clip_ratio_high",
                   "global_batch_info"))),
-    # driver-side validation
+    # driver-side validation, and the same errors where verl's trainer is built
     Seam("verl.utils.config.validate_config(config, use_reference_policy, use_critic)",
          _signature("verl.utils.config", "validate_config", ["config", "use_reference_policy", "use_critic"])),
+    Seam(TRAINERS_TAKE_CONFIG, _trainers_take_the_config_first),
 )
 
 _CHECKED = False

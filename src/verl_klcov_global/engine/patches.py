@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -181,6 +182,49 @@ def _uninstall_driver_checks() -> None:
     original = getattr(current, ORIGINAL_ATTR, None)
     if original is not None:
         replace_validate_config(current, original)
+
+
+# ---------------------------------------------------------------------------------------------
+# trainer_config_checks
+
+
+def _trainer_classes() -> list[type]:
+    """verl's trainer classes that :data:`~verl_klcov_global.seams.TRAINER_CLASSES` names, where importable
+    (verl 0.8.0 has no v1 trainer)."""
+    found = []
+    for module_name, name in seams.TRAINER_CLASSES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if getattr(module, name, None) is not None:
+            found.append(getattr(module, name))
+    return found
+
+
+def _install_trainer_checks() -> None:
+    """Install PATCH ``trainer_config_checks`` (idempotent): each trainer's ``__init__`` checks its config first."""
+    for trainer_class in _trainer_classes():
+        if _wrapped(trainer_class, "__init__"):
+            continue
+        original = trainer_class.__init__
+
+        @functools.wraps(original)
+        def __init__(self, *args, __original=original, **kwargs):
+            driver.check_in_trainer(kwargs["config"] if "config" in kwargs else (args[0] if args else None))
+            return __original(self, *args, **kwargs)
+
+        setattr(__init__, ORIGINAL_ATTR, original)
+        trainer_class.__init__ = __init__
+
+
+def _uninstall_trainer_checks() -> None:
+    for trainer_class in _trainer_classes():
+        _unwrap(trainer_class, "__init__")
+
+
+def _trainer_checks_installed() -> bool:
+    return all(_wrapped(trainer_class, "__init__") for trainer_class in _trainer_classes())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,6 +438,15 @@ PATCHES: tuple[Patch, ...] = (
           "utils/config.py validate_config; called by trainer/main_ppo.py before ray.init (0.9.1, main 1dda039b), in "
           "the TaskRunner (0.8.0)",
           install=install_driver_checks, uninstall=_uninstall_driver_checks, installed=_driver_checks_installed),
+    Patch("trainer_config_checks", "verl.trainer.ppo.ray_trainer.RayPPOTrainer.__init__ and "
+          "verl.trainer.ppo.v1.trainer_base.PPOTrainer.__init__ (where verl has it)",
+          seams.TRAINERS_TAKE_CONFIG,
+          "every process that imports the plugin; acts where a trainer is built, the TaskRunner (permanent)",
+          "driver.check_in_trainer",
+          "trainer/ppo/ray_trainer.py RayPPOTrainer.__init__ (0.8.0, 0.9.1, main 1dda039b); trainer/ppo/v1/"
+          "trainer_base.py PPOTrainer.__init__ (0.9.1, main 1dda039b), whose subclasses (sync, colocate_async, "
+          "separate_async) call it",
+          install=_install_trainer_checks, uninstall=_uninstall_trainer_checks, installed=_trainer_checks_installed),
     Patch("prepass_batched_logsumexp", "verl.utils.torch_functional.logprobs_from_logits_v2",
           "verl.utils.torch_functional.logprobs_from_logits_v2(logits, labels)",
           "inside the no-grad prepass forward only (engine.logprobs.batched_logsumexp), restored afterwards",
