@@ -19,9 +19,11 @@
 # Note the recipe's PPO clip range: clip_ratio_low = clip_ratio_high = 1, i.e. r is clamped to
 # [0, 2], so Clip-Cov's covariance-based gradient cut does most of the clipping.
 #
-# Left out, on purpose: the recipe's DAPO dynamic sampling (algorithm.filter_groups,
-# gen_batch_size = 3 x train batch) and its `dapo` reward manager with overlong buffer
-# live in the recipe's own main_entropy.py, not in verl's main_ppo.
+# DAPO's dynamic sampling and reward, as the recipe sets them, on verl 0.9.1's main_ppo: the v1 trainer's replay
+# buffer drops groups whose responses all score the same `acc` and refills them (algorithm.filter_groups), and the
+# `dapo` reward manager scores them (its overlong buffer off, as in the recipe). Two differences remain: verl 0.9.1's buffer ignores
+# max_num_gen_batches (it refills without a limit, and logs that it ignores it), and it streams prompts instead of
+# generating a batch of 3 x the train batch (max_inflight_gen_batches=3 bounds how many train batches are in flight).
 #
 # Usage (GPU cluster; the plugin must be installed in the environment Ray workers use):
 #   MODEL_PATH=/models/Qwen2.5-7B TRAIN_FILE=/data/dapo-math-17k.parquet \
@@ -41,6 +43,17 @@ MAX_TOKEN=${MAX_TOKEN:-30720}                # [recipe] per-GPU token budget at 
 overrides=(
   algorithm.adv_estimator=grpo                                   # [recipe]
   algorithm.use_kl_in_reward=False                               # [recipe]
+  trainer.use_v1=True                                            # [ours] verl 0.9.1's v1 trainer: its replay buffer runs the dynamic sampling
+  algorithm.filter_groups.enable=True                            # [recipe] DAPO dynamic sampling: groups of equal acc dropped, refilled
+  algorithm.filter_groups.metric=acc                             # [recipe]
+  algorithm.filter_groups.max_num_gen_batches=10                 # [recipe] ignored by verl 0.9.1's v1 buffer (it says so)
+  algorithm.filter_groups.max_inflight_gen_batches=3             # [ours] for the recipe's gen batch = 3 x train batch
+  reward.reward_manager.name=dapo                                # [recipe]
+  +reward.reward_kwargs.max_resp_len=8192                        # [recipe] the response length
+  +reward.reward_kwargs.overlong_buffer_cfg.enable=False         # [recipe]
+  +reward.reward_kwargs.overlong_buffer_cfg.len=2048             # [recipe]
+  +reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0   # [recipe]
+  +reward.reward_kwargs.overlong_buffer_cfg.log=False            # [ours] verl's default
   algorithm.kl_ctrl.kl_coef=0.0                                  # [recipe]
   data.train_files="${TRAIN_FILE}"
   data.val_files="${TEST_FILE}"

@@ -13,10 +13,12 @@
 # Each value's source is noted [recipe] (from that script), [paper] (rho = 0.2 for 14B and 32B)
 # or [ours].
 #
-# Left out, on purpose: the recipe's DAPO dynamic sampling (algorithm.filter_groups,
-# gen_batch_size = 3 x train batch) and its `dapo` reward manager with overlong buffer live in
-# verl's recipe/dapo/main_dapo.py, not in verl's main_ppo; run with recipe.dapo.main_dapo to keep them
-# (the plugin's loss mode and knobs are the same there).
+# DAPO's dynamic sampling and reward, as the recipe sets them, on verl 0.9.1's main_ppo: the v1 trainer's replay
+# buffer drops groups whose responses all score the same `acc` and refills them (algorithm.filter_groups), and the
+# `dapo` reward manager scores them with its overlong buffer (the last 4,096 tokens before the response limit, penalty
+# factor 1.0). Two differences remain: verl 0.9.1's buffer ignores
+# max_num_gen_batches (it refills without a limit, and logs that it ignores it), and it streams prompts instead of
+# generating a batch of 3 x the train batch (max_inflight_gen_batches=3 bounds how many train batches are in flight).
 #
 # Usage (GPU cluster; the plugin must be installed in the environment Ray workers use):
 #   MODEL_PATH=/models/Qwen3-14B-Base TRAIN_FILE=/data/math__combined_54.4k.parquet \
@@ -38,6 +40,17 @@ MAX_TOKEN=$((MAX_PROMPT + MAX_RESPONSE))     # [recipe] per-GPU token budget (x 
 overrides=(
   algorithm.adv_estimator=grpo                                   # [recipe]
   algorithm.use_kl_in_reward=False                               # [recipe]
+  trainer.use_v1=True                                            # [ours] verl 0.9.1's v1 trainer: its replay buffer runs the dynamic sampling
+  algorithm.filter_groups.enable=True                            # [recipe] DAPO dynamic sampling: groups of equal acc dropped, refilled
+  algorithm.filter_groups.metric=acc                             # [recipe]
+  algorithm.filter_groups.max_num_gen_batches=10                 # [recipe] ignored by verl 0.9.1's v1 buffer (it says so)
+  algorithm.filter_groups.max_inflight_gen_batches=3             # [ours] for the recipe's gen batch = 3 x train batch
+  reward.reward_manager.name=dapo                                # [recipe]
+  +reward.reward_kwargs.max_resp_len="${MAX_RESPONSE}"           # [recipe] the response length
+  +reward.reward_kwargs.overlong_buffer_cfg.enable=True          # [recipe]
+  +reward.reward_kwargs.overlong_buffer_cfg.len=4096             # [recipe]
+  +reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0   # [recipe]
+  +reward.reward_kwargs.overlong_buffer_cfg.log=False            # [ours] verl's default
   algorithm.kl_ctrl.kl_coef=0.0                                  # [recipe]
   data.train_files="${TRAIN_FILE}"
   data.val_files="${TEST_FILE}"

@@ -27,9 +27,9 @@
 # - algorithm.rollout_correction.bypass_mode=True, the v1 async trainers and use_fused_kernels=True are
 #   refused (the proxy needs the actor's log-prob pass and its logits).
 #
-# Left out, on purpose: the recipe's `dapo` reward manager and overlong buffer (off in the script) live in
-# recipe.dapo; verl's default reward (by data_source, e.g. math_dapo) is used. The script's `use_clip` and
-# `dynamic_coef` (1.0) are fork-only keys with no counterpart here.
+# The recipe's `dapo` reward manager with its overlong buffer off (512 tokens, factor 1.0), as the script sets it;
+# its dynamic sampling is off there too (filter_groups.enable=False), so it is left at verl's default. The
+# script's `use_clip` and `dynamic_coef` (1.0) are fork-only keys with no counterpart here.
 #
 # Usage (GPU cluster; the plugin must be installed in the environment Ray workers use):
 #   MODEL_PATH=/models/Qwen3-14B-Base TRAIN_FILE=/data/dapo-math-17k.parquet \
@@ -51,6 +51,12 @@ MAX_TOKEN=$((1024 * 30))                     # [recipe] per GPU: training micro-
 overrides=(
   algorithm.adv_estimator=grpo                                   # [recipe]
   algorithm.use_kl_in_reward=False                               # [recipe]
+  reward.reward_manager.name=dapo                                # [recipe]
+  +reward.reward_kwargs.max_resp_len="${MAX_RESPONSE}"           # [recipe] the response length
+  +reward.reward_kwargs.overlong_buffer_cfg.enable=False         # [recipe]
+  +reward.reward_kwargs.overlong_buffer_cfg.len=512              # [recipe]
+  +reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0   # [recipe]
+  +reward.reward_kwargs.overlong_buffer_cfg.log=False            # [ours] verl's default
   algorithm.kl_ctrl.kl_coef=0.0                                  # [recipe]
   data.train_files="${TRAIN_FILE}"
   data.val_files="${TEST_FILE}"

@@ -29,12 +29,12 @@
 # - the gate and W/M are saved with the optimizer in verl's checkpoints ('optimizer' is in save_contents
 #   below), so a resumed run continues them; the fork restarts W and M from the config on resume.
 #
-# Left out, on purpose: the recipe's DAPO dynamic sampling (algorithm.filter_groups with metric acc,
-# gen_batch_size = 3 x train batch, max_num_gen_batches 10) and its `stare` reward manager with its own
-# math scorer (data_source Short_CoT) live in the fork's recipe/STARE/main_stare.py; verl's default reward
-# (by data_source, e.g. math_dapo) is used. verl 0.9.1's v1 trainer has its own group filtering
-# (append algorithm.filter_groups.enable=True algorithm.filter_groups.metric=acc), not run in this
-# plugin's tests.
+# DAPO's dynamic sampling, as the recipe sets it, on verl 0.9.1's main_ppo: the v1 trainer's replay buffer drops
+# groups whose responses all score the same `acc` and refills them (algorithm.filter_groups). verl 0.9.1's buffer
+# ignores max_num_gen_batches (it refills without a limit, and logs that it ignores it) and streams prompts instead
+# of generating 3 x the train batch (max_inflight_gen_batches=3 bounds how many train batches are in flight).
+# Left out: the fork's `stare` reward manager with its own math scorer (data_source Short_CoT) lives in its
+# recipe/STARE/main_stare.py; verl's default reward (by data_source, e.g. math_dapo, which reports `acc`) is used.
 #
 # Usage (GPU cluster; the plugin must be installed in the environment Ray workers use):
 #   MODEL_PATH=/models/Qwen2.5-Math-7B TRAIN_FILE=/data/dapo-math-17k.parquet \
@@ -60,6 +60,11 @@ INFER_TOKEN=$(((MAX_PROMPT + MAX_RESPONSE) * 3))   # [recipe] 12288 per GPU, log
 overrides=(
   algorithm.adv_estimator=grpo                                   # [recipe]
   algorithm.use_kl_in_reward=False                               # [recipe]
+  trainer.use_v1=True                                            # [ours] verl 0.9.1's v1 trainer: its replay buffer runs the dynamic sampling
+  algorithm.filter_groups.enable=True                            # [recipe] DAPO dynamic sampling: groups of equal acc dropped, refilled
+  algorithm.filter_groups.metric=acc                             # [recipe]
+  algorithm.filter_groups.max_num_gen_batches=10                 # [recipe] ignored by verl 0.9.1's v1 buffer (it says so)
+  algorithm.filter_groups.max_inflight_gen_batches=3             # [ours] for the recipe's gen batch = 3 x train batch
   algorithm.kl_ctrl.kl_coef=0.0                                  # [recipe]
   data.train_files="${TRAIN_FILE}"
   data.val_files="${TEST_FILE}"
