@@ -222,12 +222,12 @@ def test_batched_log_probs_do_not_depend_on_threads_or_on_the_rows_sharing_a_cal
 # Memory: gradients and optimizer states during the prepass
 
 
-def _adamw_engine(model_path, *, optimizer_offload):
+def _adamw_engine(model_path, *, optimizer_offload, **engine_keys):
     """verl's FSDP engine with AdamW (states that offloading moves; plain SGD keeps none)."""
     from verl.workers.engine.base import EngineRegistry
 
     _cpu.install_cpu_platform()
-    configs = _cpu.fsdp_engine_configs(model_path, infer_micro_batch_size_per_gpu=16)
+    configs = _cpu.fsdp_engine_configs(model_path, **{"infer_micro_batch_size_per_gpu": 16, **engine_keys})
     configs["engine_config"] = dataclasses.replace(configs["engine_config"], optimizer_offload=optimizer_offload)
     configs["optimizer_config"] = dataclasses.replace(configs["optimizer_config"], optimizer="AdamW", lr=1e-3)
     torch.manual_seed(0)
@@ -301,11 +301,34 @@ def test_prepass_runs_without_gradients_and_offloaded_optimizer_states_stay_off_
     assert torch.equal(runs[True, "infer"][1], runs[False, "infer"][1])
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_offloaded_states_stay_on_the_device_when_the_infer_micro_batches_fit_the_training_ones(
+        tiny_model_path, thirteen_rows, dynamic):
+    """The inference layout with micro-batches no larger than the training ones (the authors' recipes: one token
+    budget for both) holds less than the training step with the states on the device: nothing moves, and the
+    steps are the ones that moved them (a larger inference budget) bit for bit."""
+    if dynamic:  # a training budget of 2,048 tokens against inference budgets of 4,096 (larger) and 2,048 (equal)
+        keys = dict(use_dynamic_bsz=True, max_token_len_per_gpu=2048)
+        engines = {"larger": dict(infer_max_token_len_per_gpu=4096), "equal": dict(infer_max_token_len_per_gpu=2048)}
+    else:  # 13 training rows against 16 (larger) and 13 (equal) inference rows
+        keys = dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=13)
+        engines = {"larger": dict(infer_micro_batch_size_per_gpu=16), "equal": dict(infer_micro_batch_size_per_gpu=13)}
+    runs = {}
+    for name, engine_keys in engines.items():
+        engine = _adamw_engine(tiny_model_path, optimizer_offload=True, **engine_keys)
+        batch = _tiny.set_micro_batching(thirteen_rows.copy(), **keys)
+        assert engine_prepass.infer_micro_batches_fit_training(engine, batch) is (name == "equal")
+        runs[name] = _two_steps_recording_placement(engine, batch, "infer")
+    assert runs["equal"][0] == ["prepass forward (gradients none)", "training forward-backward"]
+    assert runs["larger"][0][0].startswith("to('cpu'"), runs["larger"][0]
+    assert torch.equal(runs["equal"][2], runs["larger"][2])
+
+
 def test_optimizer_states_context_reports_whether_it_moved_them(tiny_model_path, thirteen_rows):
     engine = _adamw_engine(tiny_model_path, optimizer_offload=True)
-    with engine_prepass.optimizer_states_off_device(engine, "infer") as moved:
-        assert moved is False  # no AdamW state before the first step: nothing to move
     batch = _tiny.set_micro_batching(thirteen_rows.copy(), use_dynamic_bsz=False, micro_batch_size_per_gpu=13)
+    with engine_prepass.optimizer_states_off_device(engine, "infer", batch) as moved:
+        assert moved is False  # no AdamW state before the first step: nothing to move
     results = []
     with engine_step.observe_selections(lambda _engine, result: results.append(result)), engine.train_mode():
         for _ in range(2):

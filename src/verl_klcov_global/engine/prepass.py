@@ -45,12 +45,15 @@ temporaries, verl's own log-prob loop (the in-place patch off), so the bound bel
   the prepass holds the same parameters and states, no gradients (the step frees them first),
   and the same micro-batches (``infer``) or the training step's micro-batches without autograd
   (``train``).
-* ``optimizer_offload=True`` with ``infer``: :func:`optimizer_states_off_device` moves the
-  states to the host (verl's ``engine.to(..., optimizer=True)``) for the prepass and back
-  before verl's step: two host<->device copies of this rank's optimizer-state shard per
-  optimizer step. Then the prepass holds what ``compute_log_prob`` holds.
 * ``optimizer_offload=True`` with ``train``: no copies; each prepass forward is a training
   micro-batch's forward without autograd and gradients, so it stays below the training step.
+* ``optimizer_offload=True`` with ``infer`` whose micro-batches are no larger than the training
+  ones (a token budget ``infer_max_token_len_per_gpu <= max_token_len_per_gpu``, or as many rows
+  or fewer, static): no copies, by the same argument (the authors' recipes set one budget for both).
+* ``optimizer_offload=True`` with larger ``infer`` micro-batches: :func:`optimizer_states_off_device`
+  moves the states to the host (verl's ``engine.to(..., optimizer=True)``) for the prepass and back
+  before verl's step: two host<->device copies of this rank's optimizer-state shard per optimizer
+  step. Then the prepass holds what ``compute_log_prob`` holds.
 
 Observability: the forward and the selection run under ``torch.profiler.record_function``
 names :data:`PREPASS_RECORD_NAME` and :data:`SELECTION_RECORD_NAME`.
@@ -144,7 +147,7 @@ def run_prepass_and_select(engine: BaseEngine, data: TensorDict, settings: Any, 
     else:  # [/reuse]
         entropy = None
         with torch.profiler.record_function(PREPASS_RECORD_NAME):
-            with optimizer_states_off_device(engine, settings.prepass_layout) as offloaded:
+            with optimizer_states_off_device(engine, settings.prepass_layout, data) as offloaded:
                 if needs_entropy:
                     log_probs, entropy = compute_prepass_log_probs_and_entropy(engine, data, settings.prepass_layout)
                 else:
@@ -169,20 +172,34 @@ def run_prepass_and_select(engine: BaseEngine, data: TensorDict, settings: Any, 
     )
 
 
+def infer_micro_batches_fit_training(engine: BaseEngine, data: TensorDict) -> bool:
+    """Whether the ``infer`` layout's micro-batches are no larger than the training step's: with dynamic batching, a
+    token budget ``infer_max_token_len_per_gpu`` at most the training ``max_token_len_per_gpu``; static, at most as
+    many rows (``infer_micro_batch_size_per_gpu`` against ``micro_batch_size_per_gpu``). False where either is unset."""
+    engine_config = engine.engine_config
+    if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+        infer, train = engine_config.infer_max_token_len_per_gpu, "max_token_len_per_gpu"
+    else:
+        infer, train = engine_config.infer_micro_batch_size_per_gpu, "micro_batch_size_per_gpu"
+    train = tu.get_non_tensor_data(data=data, key=train, default=None)
+    return infer is not None and train is not None and infer <= train
+
+
 @contextlib.contextmanager
-def optimizer_states_off_device(engine: BaseEngine, layout: str) -> Iterator[bool]:
-    """Keep an offloaded optimizer's states on the host during an ``infer``-layout prepass; yields whether it did.
+def optimizer_states_off_device(engine: BaseEngine, layout: str, data: TensorDict) -> Iterator[bool]:
+    """Keep an offloaded optimizer's states on the host during an ``infer``-layout prepass whose micro-batches may
+    be larger than the training ones; yields whether it moved them.
 
     With ``optimizer_offload=True`` verl's train-mode context has loaded the states onto the
-    device before the step, while verl's ``compute_log_prob`` runs without them. For the
-    ``infer`` layout (the log-prob budget, often larger than the training one) they are moved
-    to the host with verl's ``engine.to(device="cpu", model=False, optimizer=True, grad=False)``
-    and back with ``engine.to(device=<device>, ...)``, the calls verl's context makes: two
-    copies of this rank's optimizer-state shard per optimizer step. Nothing moves when
-    offloading is off (the states are on the device in ``compute_log_prob`` as well), for the
-    ``train`` layout (its forwards are the training micro-batches' forwards without autograd),
-    or when no state tensor is on the device (none yet before the first step, or the caller
-    keeps them on the host).
+    device before the step, while verl's ``compute_log_prob`` runs without them. Where the ``infer``
+    micro-batches may hold more than the training ones (:func:`infer_micro_batches_fit_training` is
+    False) they are moved to the host with verl's ``engine.to(device="cpu", model=False,
+    optimizer=True, grad=False)`` and back with ``engine.to(device=<device>, ...)``, the calls
+    verl's context makes: two copies of this rank's optimizer-state shard per optimizer step.
+    Nothing moves when offloading is off (the states are on the device in ``compute_log_prob`` as
+    well), for the ``train`` layout or ``infer`` micro-batches no larger than the training ones (a
+    forward without autograd and gradients stays below the training step's), or when no state tensor
+    is on the device (none yet before the first step, or the caller keeps them on the host).
     """
     from verl.utils.device import get_device_name
 
@@ -192,6 +209,7 @@ def optimizer_states_off_device(engine: BaseEngine, layout: str) -> Iterator[boo
         layout == "infer"
         and bool(engine.is_optimizer_offload_enabled)  # a property of verl's FSDP engine (a seam, seams.py)
         and optimizer is not None
+        and not infer_micro_batches_fit_training(engine, data)
         and any(value.device.type == device for value in _optimizer_state_tensors(optimizer))
     )
     if not move:
