@@ -174,16 +174,19 @@ TRAINER_BAD = {  # what an entry point that never calls validate_config must sti
 
 
 def _verls_trainers():
-    """(name, build(config)) for verl's trainers: the legacy RayPPOTrainer, and the v1 sync trainer where verl has it."""
+    """(name, overrides that choose it, build(config)) for verl's trainers: the legacy RayPPOTrainer, and the v1 sync
+    trainer where verl has it (verl 0.8.0 has neither the v1 trainer nor the ``trainer.use_v1`` key)."""
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
-    found = [("legacy", False, lambda config: RayPPOTrainer(config=config, tokenizer=None, role_worker_mapping={},
-                                                             resource_pool_manager=None))]
+    def legacy(config):
+        return RayPPOTrainer(config=config, tokenizer=None, role_worker_mapping={}, resource_pool_manager=None)
+
     try:
         from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
     except ImportError:  # verl 0.8.0
-        return found
-    return found + [("v1-sync", True, lambda config: PPOTrainerSync(config=config))]
+        return [("legacy", [], legacy)]
+    return [("legacy", ["trainer.use_v1=False"], legacy),
+            ("v1-sync", ["trainer.use_v1=True"], lambda config: PPOTrainerSync(config=config))]
 
 
 def _frames_in_verl(error: BaseException) -> list[str]:
@@ -199,8 +202,8 @@ def _frames_in_verl(error: BaseException) -> list[str]:
 @pytest.mark.parametrize("case", sorted(TRAINER_BAD))
 def test_an_entry_point_that_skips_validate_config_is_refused_when_it_builds_verls_trainer(case):
     overrides, key = TRAINER_BAD[case]
-    for name, use_v1, build in _verls_trainers():
-        config = _compose("kl_cov_global", "override", overrides + [f"trainer.use_v1={use_v1}"])
+    for name, choose, build in _verls_trainers():
+        config = _compose("kl_cov_global", "override", overrides + choose)
         with pytest.raises(driver.TrainerConfigError) as in_driver:
             driver.check_trainer_config(config)
         with pytest.raises(driver.TrainerConfigError) as in_trainer:
@@ -216,14 +219,14 @@ def test_a_good_config_reaches_verls_trainer_and_the_trainer_check_does_not_repe
     from verl_klcov_global.guardrails import GuardrailWarning
 
     # one minibatch per step, ppo_epochs=1: the driver warns kl-cov-on-policy
-    config = _compose("kl_cov_global", "override", ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-                                                    "trainer.use_v1=False"])
+    name, choose, build = _verls_trainers()[0]
+    config = _compose("kl_cov_global", "override",
+                      ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8", *choose])
     with pytest.warns(GuardrailWarning, match="kl-cov|on-policy|penalty"):
         driver.check_trainer_config(config)
     with warnings.catch_warnings():
         warnings.simplefilter("error", GuardrailWarning)
         assert driver.check_in_trainer(config) == "kl_cov_global"
-    name, _, build = _verls_trainers()[0]
     try:
         build(config)  # None for the tokenizer and the workers: verl's own __init__ may stop on them, past the check
     except driver.TrainerConfigError:
