@@ -25,13 +25,16 @@ pytestmark = pytest.mark.slow  # verl's real engine on CPU: the slow tier
 
 BATCH, PROMPT, RESPONSE = 32, 8, 48
 NOISE_FACTOR = 10
-#: Each mode with knobs that select a visible share of this minibatch's tokens.
+#: Each mode with knobs that select a visible share of this minibatch's tokens and act on them. Lp-Reg's proxy keeps
+#: only the tokens with p >= 0.45 max p: the tiny model's distributions are near uniform, so with the authors' 0.02
+#: the proxy is pi_old itself at the first step and nothing is regularised.
 POLICY_LOSSES = {
     "kl_cov_global": lambda: KLCovGlobalPolicyLossConfig(kl_cov_ratio=0.02),
     "clip_cov_global": lambda: ClipCovGlobalPolicyLossConfig(clip_cov_ratio=0.02, clip_cov_lb=0.0),
     "high_entropy_global": lambda: HighEntropyGlobalPolicyLossConfig(entropy_top_ratio=0.2),
     "stare_global": lambda: StareGlobalPolicyLossConfig(stare_top_ratio=0.2, stare_target_entropy=100.0),
-    "lp_reg_global": lambda: LpRegGlobalPolicyLossConfig(lp_reg_neg_ratio=0.05, lp_reg_pos_ratio=0.02),
+    "lp_reg_global": lambda: LpRegGlobalPolicyLossConfig(lp_reg_neg_ratio=0.05, lp_reg_pos_ratio=0.02,
+                                                                lp_reg_min_p=0.45),
 }
 
 

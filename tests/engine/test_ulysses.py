@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism: kl_cov_global selects and updates as without it, counting nothing twice.
+"""Ulysses sequence parallelism: the global modes select and update as without it, counting nothing twice.
 
 verl's FSDP engine runs Ulysses SP over gloo with the test-only CPU varlen attention of
 ``tests/support/ulysses.py`` (verl wires Ulysses into flash-attention only). Each rank of an
@@ -10,6 +10,9 @@ Against a single process (SP 1, DP 1, same attention, same packed input), for SP
 SP 2 x DP 2: masks bit for bit, quota and valid-token count equal, and the parameter update
 within ``NOISE_FACTOR`` x the penalty-free control's difference between the same two settings.
 The all-to-all and head counts show that attention really went through verl's Ulysses path.
+
+With dynamic batch sizes, every mode of the table at SP 2: two token budgets (verl multiplies the budget by the SP
+size) give bit-identical masks over the whole minibatch and updates within the control's noise.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ import torch.distributed as dist
 
 from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.lab.experiment import MicroBatchLayout, frozen_minibatch, max_abs_diff, one_update
+from verl_klcov_global.modes import MODES as TABLE
 from verl_klcov_global.layout import fit_width, padded
 from verl_klcov_global.engine.step import observe_selections
 
 from ..support.gloo import spawn_gloo, threads_of_a_rank
 from ..support.selections import recorded_selections, selection_margin
 from ..support.ulysses import UlyssesEngineSpec, cpu_varlen_attention, varlen_attention_cpu
+from .test_response_gaps import POLICY_LOSSES
 from .test_reuse import ROW_COMPANY_NOISE
 
 pytestmark = pytest.mark.slow  # verl's real engine / workers / trainer on CPU: the slow tier
@@ -158,6 +163,65 @@ def test_ulysses_sp_gives_the_single_process_mask_counts_and_update(
         print(f"\n[SP {sp_size} x DP {dp_size} vs SP 1] selected {reference['num_selected']}/{reference['num_valid']}, "
               f"kl_cov_global/control {ours / control:.2f} (control {control:.2e}, penalty effect {penalty:.2e}); "
               f"top-k gap {gap:.2e} vs covariance difference {drift:.2e}")
+
+
+#: Two token budgets (dynamic batch sizes): the whole minibatch in one micro-batch, and a few sequences' worth.
+DYNAMIC_LAYOUTS = (
+    MicroBatchLayout("dynamic, one budget for all", True, max_token_len_per_gpu=BATCH * (PROMPT + RESPONSE)),
+    MicroBatchLayout("dynamic, 2 sequences' budget", True, max_token_len_per_gpu=2 * (PROMPT + RESPONSE)),
+)
+
+
+def _sp_dynamic_rank_updates(rank, world_size, model_path, batch_file):
+    """Spawn target: SP ``world_size`` x DP 1 (every rank holds the whole minibatch); per mode of the table and the
+    control, one update at each of :data:`DYNAMIC_LAYOUTS`: its masks, figures and parameters."""
+    batch = torch.load(batch_file, weights_only=False)
+    spec = UlyssesEngineSpec(model_path, sp_size=world_size)
+    policy_losses = dict(vanilla=lambda: None, **POLICY_LOSSES)
+    out = {}
+    with cpu_varlen_attention() as counts:
+        for mode, policy_loss in policy_losses.items():
+            config = (_tiny.make_actor_config(loss_mode="vanilla") if mode == "vanilla"
+                      else _tiny.make_actor_config(policy_loss=policy_loss()))
+            out[mode] = [one_update(spec, batch, config, layout) for layout in DYNAMIC_LAYOUTS]
+    for updates in out.values():
+        for update in updates:
+            update.metrics = {}  # verl's Metric objects stay in the rank
+    return dict(updates=out, all_to_all=counts.all_to_all, kernel_heads=set(counts.kernel_heads))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ulysses_sp2_with_dynamic_batch_sizes_every_mode_is_invariant(single_process, tiny_model_path, tmp_path):
+    """SP 2 with dynamic batch sizes, every mode of the table (Lp-Reg's proxy and STARE's gate through the held
+    log-prob pass): at two token budgets the masks are bit for bit the same and whole-minibatch (the valid-token
+    count is the minibatch's, not twice it), the SP ranks agree, and the update differs no more than
+    ``NOISE_FACTOR`` x the control's difference between the same two budgets, less than the mode moved it."""
+    batch, _ = single_process
+    batch_file = tmp_path / "batch.pt"
+    torch.save(batch, batch_file)
+    ranks = spawn_gloo(_sp_dynamic_rank_updates, 2, tiny_model_path, str(batch_file))
+    assert sorted(POLICY_LOSSES) == sorted(TABLE)
+    for out in ranks:  # verl's Ulysses path ran
+        assert out["all_to_all"] > 0 and out["kernel_heads"] == {HEADS // 2}, out
+    num_valid = int(batch["response_mask"].values().sum())
+    control = ranks[0]["updates"]["vanilla"]
+    floor = max_abs_diff(control[0].params, control[1].params)
+    assert floor > 0, "the two budgets gave bit-identical control updates: no noise floor to compare to"
+    for mode in POLICY_LOSSES:
+        first, second = ranks[0]["updates"][mode]
+        assert first.masks and len(first.masks) == len(second.masks), mode
+        for one, other, figures in zip(first.masks, second.masks, first.figures, strict=True):
+            assert one.any(), f"{mode} selected nothing: the test would prove nothing"
+            assert torch.equal(one, other), f"{mode}: the selection depends on the token budget under SP 2"
+            assert figures["valid_tokens"] == num_valid, (mode, figures)
+        for update, theirs in zip(ranks[0]["updates"][mode], ranks[1]["updates"][mode], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(update.masks, theirs.masks, strict=True)), mode
+            assert torch.equal(update.params, theirs.params), mode
+        diff = max_abs_diff(first.params, second.params)
+        assert diff <= NOISE_FACTOR * floor, (mode, diff, floor)
+        effect = max_abs_diff(first.params, control[0].params)  # beyond the tolerance, or the check proves nothing
+        assert effect > NOISE_FACTOR * floor, f"{mode} did not move the update beyond the tolerance: {effect:.3g}"
 
 
 def test_cpu_varlen_attention_is_causal_attention_within_each_packed_sequence():

@@ -314,17 +314,19 @@ def _patch_import_time_device_name() -> None:
 
 
 def _register_cpu_engines() -> None:
-    """PATCH engine-registry-cpu (verl 0.9.1): register ``FSDPEngineWithLMHead``
-    for device "cpu", backends fsdp/fsdp2 (verl registers only cuda/npu)."""
+    """PATCH engine-registry-cpu (verl 0.9.1): register ``FSDPEngineWithLMHead`` (actor) and
+    ``FSDPEngineWithValueHead`` (critic) for device "cpu", backends fsdp/fsdp2 (verl registers only cuda/npu)."""
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp import transformer_impl
 
-    engine_cls = _require(transformer_impl, "FSDPEngineWithLMHead", "FSDP LM engine class")
     engines = _require(EngineRegistry, "_engines", "EngineRegistry table")
-    backends = engines.get("language_model", {})
-    missing = [b for b in ("fsdp", "fsdp2") if "cpu" not in backends.get(b, {})]
-    if missing:
-        EngineRegistry.register(model_type="language_model", backend=missing, device="cpu")(engine_cls)
+    for model_type, class_name in (("language_model", "FSDPEngineWithLMHead"),
+                                   ("value_model", "FSDPEngineWithValueHead")):
+        engine_cls = _require(transformer_impl, class_name, f"FSDP {model_type} engine class")
+        backends = engines.get(model_type, {})
+        missing = [b for b in ("fsdp", "fsdp2") if "cpu" not in backends.get(b, {})]
+        if missing:
+            EngineRegistry.register(model_type=model_type, backend=missing, device="cpu")(engine_cls)
 
 
 @contextlib.contextmanager
@@ -563,6 +565,10 @@ def fsdp_engine_configs(
     infer_max_token_len_per_gpu: Optional[int] = 4096,
     gradient_checkpointing: bool = False,
     optimizer: str = "SGD",
+    lora_rank: int = 0,
+    lora_alpha: int = 16,
+    param_offload: bool = False,
+    optimizer_offload: bool = False,
     seed: int = 0,
 ) -> dict[str, Any]:
     """verl's model/engine/optimizer/checkpoint configs of :func:`build_fsdp_engine`.
@@ -585,6 +591,9 @@ def fsdp_engine_configs(
         use_dynamic_bsz, micro_batch_size_per_gpu, max_token_len_per_gpu,
         infer_*: stored in the engine config (what ``TrainingWorker`` would
             inject); the batch's own non-tensor keys take precedence.
+        lora_rank, lora_alpha: verl's LoRA (peft, ``target_modules="all-linear"``); rank 0 trains every weight.
+        param_offload, optimizer_offload: verl's FSDP offload flags (on a CPU the moves stay on the host, but
+            verl's offload and load calls all run).
         seed: ``FSDPEngineConfig.seed``.
     """
     if strategy not in ("fsdp", "fsdp2"):
@@ -599,6 +608,9 @@ def fsdp_engine_configs(
         override_config={"attn_implementation": "sdpa"},
         use_remove_padding=use_remove_padding,
         enable_gradient_checkpointing=gradient_checkpointing,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        target_modules="all-linear",
     )
     model_config.model_type = "language_model"
     engine_config = FSDPEngineConfig(
@@ -612,6 +624,8 @@ def fsdp_engine_configs(
         infer_max_token_len_per_gpu=infer_max_token_len_per_gpu,
         use_remove_padding=use_remove_padding,
         use_torch_compile=False,
+        param_offload=param_offload,
+        optimizer_offload=optimizer_offload,
         seed=seed,
     )
     optimizer_config = FSDPOptimizerConfig(

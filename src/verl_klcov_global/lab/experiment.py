@@ -159,6 +159,9 @@ class EngineSpec:
     clip_grad: float = 0.05
     infer_micro_batch_size_per_gpu: int = 16
     infer_max_token_len_per_gpu: int = 4096
+    lora_rank: int = 0
+    param_offload: bool = False
+    optimizer_offload: bool = False
     device: str = "cpu"
 
     def build(self):
@@ -166,7 +169,9 @@ class EngineSpec:
             self.model_path, strategy=self.strategy, dtype=self.dtype, lr=self.lr, clip_grad=self.clip_grad,
             use_remove_padding=self.use_remove_padding, gradient_checkpointing=self.gradient_checkpointing,
             infer_micro_batch_size_per_gpu=self.infer_micro_batch_size_per_gpu,
-            infer_max_token_len_per_gpu=self.infer_max_token_len_per_gpu, device=self.device,
+            infer_max_token_len_per_gpu=self.infer_max_token_len_per_gpu, lora_rank=self.lora_rank,
+            lora_alpha=2 * self.lora_rank or 16, param_offload=self.param_offload,
+            optimizer_offload=self.optimizer_offload, device=self.device,
         )
 
 
