@@ -13,7 +13,7 @@ end, on verl's own ``ppo_trainer`` config with a plain ``loss_mode=`` override:
   message, before Ray starts;
 * the plugin's driver hook copies the driver's ``VERL_USE_EXTERNAL_MODULES`` (``my_modes`` included) into the
   job's Ray ``runtime_env`` (verl prints its ``ray init kwargs``; a ``runtime_env`` variable replaces the inherited
-  one in every Ray process), so the actor worker imports ``my_modes`` too: a GRPO step on CPU (legacy trainer, 1
+  one in every Ray process), so the actor worker imports ``my_modes`` too: an RLOO step on CPU (legacy trainer, 1
   FSDP2 rank, 2 minibatches) logs the mode's ``actor/rare_token/*`` metrics, with a positive quota, and a real
   prepass on the second minibatch (the first reuses verl's log-prob pass).
 
@@ -93,8 +93,11 @@ def test_main_ppo_bad_knob_of_own_mode_stops_in_the_driver_before_ray(tmp_path, 
 
 
 def test_main_ppo_trains_own_mode_loaded_through_verl_use_external_modules(tmp_path, tiny_model_path):
-    proc, output, seconds = _main_ppo(tmp_path, tiny_model_path)
+    # with RLOO's leave-one-out baseline in place of GRPO's group mean: the selection reads whatever advantages
+    # the estimator wrote
+    proc, output, seconds = _main_ppo(tmp_path, tiny_model_path, "algorithm.adv_estimator=rloo")
     assert proc.returncode == 0, output[-6000:]
+    assert "'adv_estimator': 'rloo'" in proc.stdout, output[-3000:]
 
     # the driver imported my_modes before validate_config: the plugin checked the mode's knobs there
     assert DRIVER_CHECKED in output, output[-3000:]

@@ -1,4 +1,4 @@
-"""End to end: ``python -m verl.trainer.main_ppo``, 2 GRPO steps on CPU with ``loss_mode=kl_cov_global``.
+"""End to end: ``python -m verl.trainer.main_ppo``, 2 PPO steps on CPU with ``loss_mode=kl_cov_global``.
 
 verl 0.9.1 runs as users run it -- Hydra config, its own Ray cluster, TaskRunner, agent loop,
 reward loop, FSDP2 actor workers -- with three test-only additions from ``tests/trainer_support``,
@@ -13,9 +13,10 @@ driver's worker loader (``driver.py``) both load it; ``tests/test_driver_loading
 loader alone is enough. Two runs:
 
 * ``v1``: the default (v1) trainer on verl's own ``ppo_trainer`` config with
-  ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global`` (plain ``PolicyLossConfig``), strictly
-  on-policy (one minibatch, one epoch): every optimizer step reuses verl's own log-prob pass
-  (``prepass_reused`` 1, ``engine/reuse.py``), on both ranks;
+  ``actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov_global`` (plain ``PolicyLossConfig``), PPO with a critic
+  (``adv_estimator=gae``), strictly on-policy (one minibatch, one epoch): every optimizer step reuses verl's own
+  log-prob pass (``prepass_reused`` 1, ``engine/reuse.py``), on both ranks; the critic's engine trains through the
+  same wrapped ``train_batch`` and gets no selection;
 * ``legacy``: ``trainer.use_v1=False`` on ``--config-name=kl_cov_global`` (no ``--config-path``: the
   package's config, through its Hydra search-path plugin), the ready config that
   docs/LOADING.md documents (its ``_target_`` imports the plugin too, so this run is not the
@@ -71,8 +72,8 @@ def _logged_steps(log: str) -> dict[int, dict[str, float]]:
 
 
 def _run_main_ppo(work_dir, tiny_model_path, *, use_v1: bool, plugin_config: bool, mini_batch_prompts: int,
-                  epochs: int, train_file=None) -> dict:
-    """One ``main_ppo`` GRPO run with ``kl_cov_global`` in ``work_dir``; its console log, logged steps, the workers'
+                  epochs: int, adv_estimator: str = "grpo", train_file=None) -> dict:
+    """One ``main_ppo`` run with ``kl_cov_global`` in ``work_dir``; its console log, logged steps, the workers'
     per-step records and its train file."""
     train_file = train_file or write_dataset(str(work_dir / "train.parquet"), n_prompts=2 * PROMPTS)
     record_dir = work_dir / "steps"
@@ -82,6 +83,7 @@ def _run_main_ppo(work_dir, tiny_model_path, *, use_v1: bool, plugin_config: boo
         model_path=tiny_model_path, train_file=train_file, out_dir=str(work_dir), use_v1=use_v1,
         plugin_config=plugin_config, n_workers=WORKERS, prompts_per_step=PROMPTS, responses_per_prompt=N,
         mini_batch_prompts=mini_batch_prompts, ppo_epochs=epochs, steps=STEPS, kl_cov_ratio=RATIO,
+        adv_estimator=adv_estimator,
     )
     # Only the entry point may load the plugin: no module list or external_lib names it.
     assert env["VERL_USE_EXTERNAL_MODULES"] == CPU_PLUGIN_MODULE
@@ -105,20 +107,29 @@ def legacy_run(tmp_path_factory, tiny_model_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("use_v1, plugin_config, mini_batch_prompts, epochs, reused",
-                         [(True, False, PROMPTS, 1, 1.0), (False, True, MINI_BATCH_PROMPTS, EPOCHS, 0.25)],
+@pytest.mark.parametrize("use_v1, plugin_config, mini_batch_prompts, epochs, reused, adv_estimator",
+                         [(True, False, PROMPTS, 1, 1.0, "gae"), (False, True, MINI_BATCH_PROMPTS, EPOCHS, 0.25, "grpo")],
                          ids=["v1", "legacy"])
 def test_main_ppo_grpo_on_cpu_runs_kl_cov_global_prepass_per_minibatch(request, tmp_path, tiny_model_path, use_v1,
                                                                        plugin_config, mini_batch_prompts, epochs,
-                                                                       reused):
+                                                                       reused, adv_estimator):
     optimizer_steps_per_step = epochs * PROMPTS // mini_batch_prompts
     rows_per_rank = mini_batch_prompts * N // WORKERS
     if use_v1:
         run = _run_main_ppo(tmp_path, tiny_model_path, use_v1=use_v1, plugin_config=plugin_config,
-                            mini_batch_prompts=mini_batch_prompts, epochs=epochs)
+                            mini_batch_prompts=mini_batch_prompts, epochs=epochs, adv_estimator=adv_estimator)
     else:
         run = request.getfixturevalue("legacy_run")
     logged, records = run["logged"], run["records"]
+    critic_records = {rank: [r for r in rank_records if r["loss"] == "value_loss"]
+                      for rank, rank_records in records.items()}
+    records = {rank: [r for r in rank_records if r["loss"] != "value_loss"] for rank, rank_records in records.items()}
+    if adv_estimator == "gae":  # the critic trained beside the actor, and no selection ran on its minibatches
+        assert all(metrics.get("critic/vf_loss") is not None for metrics in logged.values()), run["log"][-3000:]
+        assert all(len(rank_records) == STEPS * optimizer_steps_per_step for rank_records in critic_records.values())
+        assert all(r["mask_tokens"] is None for rank_records in critic_records.values() for r in rank_records)
+    else:
+        assert not any(critic_records.values()), critic_records
 
     # -- the steps finished and their kl_cov metrics are in the trainer's log -----------------------
     assert sorted(logged) == list(range(1, STEPS + 1)), run["log"][-3000:]

@@ -29,8 +29,12 @@ def write_dataset(path: str, n_prompts: int) -> str:
 
 def main_ppo_argv(*, model_path: str, train_file: str, out_dir: str, use_v1: bool, plugin_config: bool,
                   n_workers: int, prompts_per_step: int, responses_per_prompt: int, mini_batch_prompts: int,
-                  ppo_epochs: int, steps: int, kl_cov_ratio: float, loss_mode: str = "kl_cov_global") -> list[str]:
+                  ppo_epochs: int, steps: int, kl_cov_ratio: float, loss_mode: str = "kl_cov_global",
+                  adv_estimator: str = "grpo") -> list[str]:
     """``python -m verl.trainer.main_ppo ...`` for a GRPO run on CPU with ``loss_mode=kl_cov_global``.
+
+    ``adv_estimator``: verl's ``algorithm.adv_estimator``; ``gae`` adds a critic on the same model (FSDP2, fp32,
+    the actor's micro-batches), as PPO with a value function runs.
 
     ``plugin_config``: ``--config-name=kl_cov_global`` (the plugin's packaged config, found through its
     Hydra search-path plugin; the plugin's config class) instead of
@@ -45,8 +49,8 @@ def main_ppo_argv(*, model_path: str, train_file: str, out_dir: str, use_v1: boo
     else:
         argv += [f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
                  "actor_rollout_ref.actor.policy_loss.ppo_kl_coef=1.0"]
-    return argv + [
-        "algorithm.adv_estimator=grpo",
+    return argv + _critic_args(adv_estimator, model_path) + [
+        f"algorithm.adv_estimator={adv_estimator}",
         f"actor_rollout_ref.actor.policy_loss.kl_cov_ratio={kl_cov_ratio}",
         f"data.train_files={train_file}",
         f"data.val_files={train_file}",
@@ -89,4 +93,20 @@ def main_ppo_argv(*, model_path: str, train_file: str, out_dir: str, use_v1: boo
         "ray_kwargs.ray_init.num_cpus=16",   # logical: verl reserves 3 CPUs per worker bundle
         f"+ray_kwargs.ray_init.num_gpus={n_workers}",  # fake GPUs: verl's resource pools ask for "GPU"
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+    ]
+
+
+def _critic_args(adv_estimator: str, model_path: str) -> list[str]:
+    """A critic for ``gae`` (none for the estimators without a value function)."""
+    if adv_estimator != "gae":
+        return []
+    return [
+        f"critic.model.path={model_path}",
+        "+critic.model.override_config.attn_implementation=sdpa",
+        "critic.model.use_remove_padding=False",
+        "critic.model.enable_gradient_checkpointing=False",
+        "critic.strategy=fsdp2",
+        "critic.ppo_micro_batch_size_per_gpu=2",
+        "critic.fsdp.use_torch_compile=False",
+        "+critic.fsdp.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
     ]

@@ -7,7 +7,8 @@ on the very minibatch the optimizer step trains on. Each call appends one JSON l
 ``<dir>/steps-<pid>.jsonl``: the process, its rank, the minibatch's row count and how many tokens
 the per-token field ``global_selection_mask`` marks (``null`` when the field is absent, i.e. no
 prepass ran for this step), and the file the plugin was imported from in that process
-(``verl_klcov_global.__file__``, read from ``sys.modules``, or ``null``).
+(``verl_klcov_global.__file__``, read from ``sys.modules``, or ``null``), and the loss function's name
+(``ppo_loss`` for the actor, ``value_loss`` for a critic).
 
 Nothing of the plugin is imported here: the mask is recognised by its field name, so the test's
 claim that only the entry point loads the plugin stays true.
@@ -45,6 +46,7 @@ def install() -> None:
             "rows": int(data.batch_size[0]),
             "mask_tokens": None if mask is None else int(_values(mask).sum()),
             "plugin_file": getattr(sys.modules.get("verl_klcov_global"), "__file__", None),
+            "loss": _name(loss_function),
             "time": time.time(),
         }
         with open(os.path.join(directory, f"steps-{os.getpid()}.jsonl"), "a") as f:
@@ -53,6 +55,13 @@ def install() -> None:
 
     setattr(train_batch, _MARK, True)
     BaseEngine.train_batch = train_batch
+
+
+def _name(function) -> str:
+    """The loss function's name through ``functools.partial`` layers (verl's ``ppo_loss``, ``value_loss``)."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    return getattr(function, "__name__", type(function).__name__)
 
 
 def _values(tensor):

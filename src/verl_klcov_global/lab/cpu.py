@@ -25,6 +25,7 @@ Targets: verl 0.9.1 and 0.8.0, torch 2.13 (CPU build), transformers 5.x.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import socket
@@ -479,8 +480,8 @@ def install_cpu_platform() -> None:
     verl 0.9.x: :class:`CPUPlatform` through ``verl.plugin.platform`` plus PATCH
     import-time-device-name. verl 0.8.x (no platform plugin; device detection
     already says "cpu" on a CPU host): PATCH cpu-torch-device. Both: PATCH
-    engine-registry-cpu, fsdp1-sync-module-states-cpu and padding-utils-without-flash-attn
-    (a no-op where verl has its own fallback).
+    engine-registry-cpu, fsdp1-sync-module-states-cpu, padding-utils-without-flash-attn
+    (a no-op where verl has its own fallback) and value-head-model-sdpa.
 
     Call before building any engine. Safe to call many times and in every
     spawned process.
@@ -495,7 +496,35 @@ def install_cpu_platform() -> None:
     _register_cpu_engines()
     _patch_fsdp1_sync_module_states_cpu()
     ensure_padding_utils_without_flash_attn()
+    _patch_value_head_model_sdpa()
     _INSTALLED = True
+
+
+def _patch_value_head_model_sdpa() -> None:
+    """PATCH value-head-model-sdpa (verl 0.8-0.9.1 ``utils/model.py`` ``load_valuehead_model``, which the critic's
+    FSDP engine imports when it builds): verl loads the critic's token-classification model with
+    ``attn_implementation="flash_attention_2"`` whatever the model config says; a CPU has no flash-attention, so
+    load it with sdpa (the attention the lab's actors use). Models without a token-classification head still go to
+    verl's own loader (its trl route)."""
+    from verl.utils import model as verl_model
+
+    original = _require(verl_model, "load_valuehead_model", "critic model loader")
+    if getattr(original, "_cpu_sdpa", False):
+        return
+
+    @functools.wraps(original)
+    def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+        from transformers import AutoModelForTokenClassification
+
+        try:
+            return AutoModelForTokenClassification.from_pretrained(
+                pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
+                attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+        except ValueError:  # no token-classification head for this architecture
+            return original(local_path, torch_dtype, model_config, trust_remote_code)
+
+    load_valuehead_model._cpu_sdpa = True
+    verl_model.load_valuehead_model = load_valuehead_model
 
 
 # ---------------------------------------------------------------------------
