@@ -3,8 +3,8 @@
 Two engine settings users combine with the global modes and that change what the engine holds during the
 prepass: a LoRA adapter (peft, ``target_modules="all-linear"``: only the adapter trains, the selection reads the
 adapted policy) and verl's ``param_offload`` + ``optimizer_offload`` (verl's train-mode context loads and offloads
-around the step; the prepass runs inside it). For each, every mode of the table at 1 against 8 static
-micro-batches: the masks bit for bit, and the update within ``NOISE_FACTOR`` x the penalty-free control's
+around the step; the prepass runs inside it). For each, one mode per statistic the prepass reads, at 1 against 8
+static micro-batches: the masks bit for bit, and the update within ``NOISE_FACTOR`` x the penalty-free control's
 difference between the same two layouts, less than the mode moved it from the control.
 
 On a CPU verl's offload moves stay on the host: what this proves is that verl's offload and load calls around the
@@ -23,13 +23,16 @@ from verl_klcov_global.lab import cpu as _cpu
 from verl_klcov_global.lab import tiny as _tiny
 from verl_klcov_global.lab.experiment import EngineSpec, frozen_minibatch, max_abs_diff, one_update, static_layouts
 
-from .test_response_gaps import POLICY_LOSSES
+from .test_response_gaps import POLICY_LOSSES as EVERY_MODE
 
 pytestmark = pytest.mark.slow  # verl's real engine on CPU: the slow tier
 
 BATCH, PROMPT, RESPONSE = 16, 8, 32
 MICRO_BATCHES = 8
 NOISE_FACTOR = 10
+#: One mode per statistic the prepass reads: log-probs (KL-Cov; Clip-Cov reads the same), entropy (80/20; STARE
+#: reads the same) and Lp-Reg's proxy from the held log-prob pass. tests/engine/test_ulysses.py runs all five.
+POLICY_LOSSES = {mode: EVERY_MODE[mode] for mode in ("kl_cov_global", "high_entropy_global", "lp_reg_global")}
 SETTINGS = {
     "lora": dict(strategy="fsdp2", lora_rank=4, lr=0.5),
     "param+optimizer offload": dict(strategy="fsdp2", param_offload=True, optimizer_offload=True),

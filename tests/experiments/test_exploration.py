@@ -51,7 +51,7 @@ from experiments.exploration_task import TASK, DeceptiveTask
 #: while GRPO still samples P, falls below its start before this many steps as E takes over.
 PREMISE_SEED = 2
 PREMISE_STEPS = 26
-COUNT_STEPS = 4
+COUNT_STEPS = 2
 
 #: The premise broken: the easy path leads to P (E's reward goes to the hidden ids, and E is only them).
 P_ON_THE_EASY_PATH = replace(TASK, easy_ids=TASK.hidden_ids)

@@ -23,6 +23,8 @@ import sys
 import time
 
 RECORD_DIR_ENV = "KLCOV_STEP_RECORD_DIR"
+#: Set (to anything): after each actor step rank 0 also writes the full parameters, ``params-<pid>.pt`` (the last).
+RECORD_PARAMS_ENV = "KLCOV_STEP_RECORD_PARAMS"
 MASK_KEY = "global_selection_mask"  # verl_klcov_global.config.MASK_FIELD, by name
 _MARK = "__trainer_support_step_recorder__"
 
@@ -51,10 +53,35 @@ def install() -> None:
         }
         with open(os.path.join(directory, f"steps-{os.getpid()}.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
-        return original(self, data, loss_function)
+        output = original(self, data, loss_function)
+        if os.environ.get(RECORD_PARAMS_ENV) and record["loss"] != "value_loss":
+            _write_params(self, os.path.join(directory, f"params-{os.getpid()}.pt"))
+        return output
 
     setattr(train_batch, _MARK, True)
     BaseEngine.train_batch = train_batch
+
+
+def _write_params(engine, path: str) -> None:
+    """The engine's full parameters after the step as one float64 vector in sorted-key order, written by rank 0
+    (gathering them is a collective: every rank calls this after the same step)."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    state = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    if int(os.environ.get("RANK", 0)) == 0:
+        values = [(v.full_tensor() if isinstance(v, DTensor) else v).detach().reshape(-1).double()
+                  for _, v in sorted(state.items())]
+        torch.save(torch.cat(values), path)
+
+
+def read_params(directory: str):
+    """Rank 0's parameters after the last actor step (one ``params-*.pt``)."""
+    import torch
+
+    (name,) = [n for n in os.listdir(directory) if n.startswith("params-")]
+    return torch.load(os.path.join(directory, name))
 
 
 def _name(function) -> str:
