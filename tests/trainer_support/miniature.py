@@ -6,8 +6,8 @@ changes, and nothing else:
 
 * **sizes**: the model (the tiny Qwen2), the data (a parquet of chat prompts), the lengths (prompt 32, response
   24 tokens; the ``dapo`` reward's ``max_resp_len`` the response length and its overlong buffer 8 tokens), the
-  batch sizes (4 prompts per step, 2 per optimizer step, 4 responses each), the token budgets (the script's
-  ``MAX_TOKEN``), the GPU counts (``NNODES`` 1, ``GPUS_PER_NODE`` 2, rollout tensor parallel 1) and 2 trainer steps;
+  batch sizes (4 prompts per step, 2 per optimizer step or all 4 where the recipe makes one, 4 responses each),
+  every per-GPU token budget (two sequences), the GPU counts (``NNODES`` 1, ``GPUS_PER_NODE`` 2, rollout tensor parallel 1) and 2 trainer steps;
 * **what a CPU needs** to run verl's trainer at all: the CPU platform and the ``cpu_random`` rollout
   (``tests/trainer_support``, through ``VERL_USE_EXTERNAL_MODULES``; it samples no rollout log-probs), fp32 and sdpa (no flash-attention), no
   ``torch.compile``, the console logger (no wandb), no validation or checkpoint, Ray's resources, one agent and
@@ -45,17 +45,26 @@ def miniature_env(model_path: str, train_file: str, *, max_token: int, **extra: 
     return env
 
 
-def miniature_overrides(out_dir: str) -> list[str]:
-    """The Hydra overrides appended to the recipe's own: sizes and what a CPU needs (module docstring)."""
+def miniature_overrides(out_dir: str, script: str, *, mini_batch_prompts: int = MINI_BATCH_PROMPTS,
+                        max_token: int = TWO_SEQUENCES_BUDGET) -> list[str]:
+    """The Hydra overrides appended to ``script``'s own: sizes and what a CPU needs (module docstring).
+    ``mini_batch_prompts``: the recipe's minibatch shrunk with its batch (all of it where the recipe makes one
+    optimizer step per batch); ``max_token``: every per-GPU token budget the recipe sets."""
     actor = "actor_rollout_ref.actor"
+    with open(script) as handle:
+        dapo_lengths = "reward.reward_kwargs.max_resp_len" in handle.read()
     return [
         # sizes
         f"data.max_prompt_length={PROMPT_LEN}",
         f"data.max_response_length={RESPONSE_LEN}",
-        f"reward.reward_kwargs.max_resp_len={RESPONSE_LEN}",
-        f"reward.reward_kwargs.overlong_buffer_cfg.len={OVERLONG_LEN}",
+        *([f"reward.reward_kwargs.max_resp_len={RESPONSE_LEN}",
+           f"reward.reward_kwargs.overlong_buffer_cfg.len={OVERLONG_LEN}"] if dapo_lengths else []),
         f"data.train_batch_size={PROMPTS}",
-        f"{actor}.ppo_mini_batch_size={MINI_BATCH_PROMPTS}",
+        f"{actor}.ppo_mini_batch_size={mini_batch_prompts}",
+        f"{actor}.ppo_max_token_len_per_gpu={max_token}",
+        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={max_token}",
+        f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={max_token}",
+        f"actor_rollout_ref.rollout.max_num_batched_tokens={max_token}",
         f"actor_rollout_ref.rollout.n={RESPONSES}",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         f"trainer.total_training_steps={STEPS}",
