@@ -23,13 +23,10 @@ Run: ``.venv/bin/python -m benchmarks.bench_offload [--reps N] [--steps N] [--js
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import tempfile
 import time
-
-import torch
 
 from ._common import load_average, machine, median, quiet, table
 
@@ -43,19 +40,11 @@ VARIANTS = {
 
 
 def _engine(model_path: str, infer_budget: int):
-    from verl.workers.engine.base import EngineRegistry
-
     from verl_klcov_global.lab import cpu as _cpu
 
-    _cpu.install_cpu_platform()
-    if not torch.distributed.is_initialized():
-        _cpu.init_process_group_cpu()
-    configs = _cpu.fsdp_engine_configs(model_path, use_dynamic_bsz=True, max_token_len_per_gpu=TRAIN_BUDGET,
-                                       infer_max_token_len_per_gpu=infer_budget, optimizer_offload=True)
-    configs["optimizer_config"] = dataclasses.replace(configs["optimizer_config"], optimizer="AdamW", lr=1e-4)
-    engine = EngineRegistry.new(model_type="language_model", backend="fsdp", **configs)
-    engine.initialize()
-    return engine
+    return _cpu.build_fsdp_engine(model_path, optimizer="AdamW", lr=1e-4, use_dynamic_bsz=True,
+                                  max_token_len_per_gpu=TRAIN_BUDGET, infer_max_token_len_per_gpu=infer_budget,
+                                  optimizer_offload=True)
 
 
 def _state_bytes(engine) -> int:
